@@ -1,0 +1,26 @@
+# The two commands of the quick start: `make train` and `make test`. Both prepare .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# DeepSpeed compiles its C++ ops on first use; keep them with the environment so they are built once.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup train test test-fast bench lint
+
+setup:
+	@bash tools/bootstrap.sh
+
+train: setup
+	$(VENV)/bin/torchrun --nproc_per_node 2 tools/dist_demo.py
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: setup
+	@bash bench/run_collectives.sh
+
+lint: setup
+	$(VENV)/bin/ruff check trainrun tests tools bench

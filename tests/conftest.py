@@ -1,0 +1,46 @@
+"""Fixtures shared by every test: running a body on the ranks of a real gloo group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.procs import DistPool
+
+WORLD_SIZES = (1, 2, 3)  # 1: a plain process that never joined a group
+
+
+@pytest.fixture(scope="session")
+def dist_pools() -> Iterator[dict[int, DistPool]]:
+    pools = {n: DistPool(n) for n in WORLD_SIZES if n > 1}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+RunOnRanks = Callable[..., list[Any]]
+
+
+@pytest.fixture(scope="session")
+def run_on(dist_pools: dict[int, DistPool]) -> Callable[[int], RunOnRanks]:
+    """``run_on(n)(body, *args)``: run ``body`` on n ranks (n=1: here, with no group)."""
+
+    def runner(world_size: int) -> RunOnRanks:
+        if world_size == 1:
+            return lambda body, *args, **_: [body(*args)]
+        return dist_pools.setdefault(world_size, DistPool(world_size)).run
+
+    return runner
+
+
+@pytest.fixture(params=WORLD_SIZES, ids=lambda n: "nodist" if n == 1 else f"{n}ranks")
+def world_size(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
+@pytest.fixture
+def on_ranks(run_on: Callable[[int], RunOnRanks], world_size: int) -> RunOnRanks:
+    """Run a body in a plain process, then on 2 and on 3 gloo ranks (one test each)."""
+    return run_on(world_size)

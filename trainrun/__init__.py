@@ -1,0 +1,1 @@
+"""trainrun: a config-driven runner for distributed PyTorch training."""

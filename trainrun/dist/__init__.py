@@ -1,0 +1,70 @@
+"""Processes and communication: joining the job, who is who, and collectives.
+
+Everything works in a process that never joined a process group (rank 0 of a world of 1).
+This package imports nothing else of trainrun.
+"""
+
+from trainrun.dist.backends import (
+    DIST_BACKENDS,
+    BaseDistBackend,
+    get_dist_backend,
+    set_default_dist_backend,
+)
+from trainrun.dist.collectives import (
+    REDUCE_OPS,
+    Handle,
+    all_gather,
+    all_reduce,
+    all_reduce_dict,
+    all_reduce_params,
+    broadcast,
+    gather,
+    reduce,
+    sync_random_seed,
+)
+from trainrun.dist.device import cast_data_device, get_comm_device, get_data_device, get_device
+from trainrun.dist.info import (
+    barrier,
+    get_backend,
+    get_default_group,
+    get_dist_info,
+    get_local_group,
+    get_local_rank,
+    get_local_size,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+    master_only,
+)
+from trainrun.dist.launch import (
+    BACKENDS,
+    LAUNCHERS,
+    DistInitError,
+    infer_launcher,
+    init_dist,
+    init_local_group,
+)
+from trainrun.dist.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    collect_results,
+    collect_results_cpu,
+    collect_results_gpu,
+    gather_object,
+)
+from trainrun.dist.slurm import expand_nodelist
+from trainrun.dist.timeouts import DistTimeoutError
+
+__all__ = [
+    "BACKENDS", "DIST_BACKENDS", "LAUNCHERS", "REDUCE_OPS",
+    "BaseDistBackend", "DistInitError", "DistTimeoutError", "Handle",
+    "all_gather", "all_gather_object", "all_reduce", "all_reduce_dict", "all_reduce_params",
+    "barrier", "broadcast", "broadcast_object_list", "cast_data_device", "collect_results",
+    "collect_results_cpu", "collect_results_gpu", "expand_nodelist", "gather", "gather_object",
+    "get_backend", "get_comm_device", "get_data_device", "get_default_group", "get_device",
+    "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank", "get_local_size",
+    "get_rank", "get_world_size", "infer_launcher", "init_dist", "init_local_group",
+    "is_distributed", "is_main_process", "master_only", "reduce", "set_default_dist_backend",
+    "sync_random_seed",
+]

@@ -1,0 +1,340 @@
+"""Tensor collectives that work on any backend, with any tensor, in any process.
+
+Compared with calling torch.distributed directly these: accept reduce ops by name (and
+'mean', integer tensors included), move tensors to the device the backend communicates on
+and back, accept non-contiguous tensors, gather tensors of different shapes, and simply
+return in a process that never joined a group.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed import ProcessGroup, ReduceOp
+
+from trainrun.dist.device import get_comm_device
+from trainrun.dist.info import get_default_group, get_rank, get_world_size, is_distributed
+from trainrun.dist.timeouts import named_operation
+
+REDUCE_OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
+_TORCH_OPS = {
+    "sum": ReduceOp.SUM,
+    "mean": ReduceOp.SUM,  # summed, then divided by the world size
+    "product": ReduceOp.PRODUCT,
+    "min": ReduceOp.MIN,
+    "max": ReduceOp.MAX,
+    "band": ReduceOp.BAND,
+    "bor": ReduceOp.BOR,
+    "bxor": ReduceOp.BXOR,
+}
+_MAX_DIMS = 16  # of a tensor whose shape `all_gather` exchanges
+
+
+def reduce_op_name(op: str) -> str:
+    """The lower-case name of ``op``, or ValueError naming the allowed ones."""
+    name = op.lower() if isinstance(op, str) else op
+    if name not in _TORCH_OPS:
+        raise ValueError(f"reduce op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+    return name
+
+
+class Handle:
+    """What an ``async_op=True`` collective returns: ``wait()`` finishes all of its work."""
+
+    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None):
+        self._work = work
+        self._finish = finish
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None and self._work is None
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup:
+    return group if group is not None else get_default_group()
+
+
+def _for_comm(data: Tensor, group: ProcessGroup) -> Tensor:
+    """``data`` itself when the backend can use it as it is, else a contiguous copy on its device."""
+    device = get_comm_device(group)
+    if data.device == device and data.is_contiguous():
+        return data
+    return data.to(device).contiguous()
+
+
+def _run(name: str, group: ProcessGroup, async_op: bool, start: Callable[[bool], Any],
+         finish: Callable[[], None] | None) -> Handle | None:
+    """Start a collective; finish it now, or hand back a `Handle` that finishes it."""
+    with named_operation(name, group):
+        work = start(async_op)
+        if async_op:
+            return Handle(work, finish)
+        if finish is not None:
+            finish()
+    return None
+
+
+def all_reduce(data: Tensor, op: str = "sum", group: ProcessGroup | None = None,
+               async_op: bool = False) -> Handle | None:
+    """Reduce ``data`` across ranks, in place.
+
+    'mean' is a sum divided by the world size (true division, then stored in ``data``'s
+    dtype, so integer tensors hold the truncated mean).
+    """
+    op = reduce_op_name(op)
+    if get_world_size(group) == 1:
+        return Handle() if async_op else None
+    group = _group(group)
+    buffer = _for_comm(data, group)
+    world_size = get_world_size(group)
+
+    def finish() -> None:
+        result = torch.true_divide(buffer, world_size) if op == "mean" else buffer
+        if result is not data:
+            data.copy_(result)
+
+    return _run(f"all_reduce({op})", group, async_op,
+                lambda a: torch_dist.all_reduce(buffer, _TORCH_OPS[op], group, async_op=a), finish)
+
+
+def _shape_of_each_rank(data: Tensor, group: ProcessGroup) -> list[torch.Size]:
+    if data.dim() > _MAX_DIMS:
+        raise ValueError(f"all_gather takes tensors of up to {_MAX_DIMS} dimensions")
+    mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64)
+    mine[0] = data.dim()
+    mine[1 : data.dim() + 1] = torch.tensor(data.shape, dtype=torch.int64)
+    mine = mine.to(get_comm_device(group))
+    shapes = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+    torch_dist.all_gather(shapes, mine, group)
+    return [torch.Size(s[1 : int(s[0]) + 1].tolist()) for s in (s.cpu() for s in shapes)]
+
+
+def _gather_uneven(data: Tensor, group: ProcessGroup, shapes: list[torch.Size],
+                   dst: int | None) -> list[Tensor]:
+    """All-gather (dst None) or gather to ``dst`` tensors whose shapes differ by rank."""
+    longest = max(s.numel() for s in shapes)
+    padded = torch.zeros(longest, dtype=data.dtype, device=get_comm_device(group))
+    padded[: data.numel()] = data.reshape(-1).to(padded.device)
+    if dst is None:
+        out = [torch.empty_like(padded) for _ in shapes]
+        torch_dist.all_gather(out, padded, group)
+    elif get_rank(group) == dst:
+        out = [torch.empty_like(padded) for _ in shapes]
+        torch_dist.gather(padded, out, dst=_global_rank(group, dst), group=group)
+    else:
+        torch_dist.gather(padded, None, dst=_global_rank(group, dst), group=group)
+        return []
+    return [t[: s.numel()].reshape(s).to(data.device) for t, s in zip(out, shapes)]
+
+
+def _global_rank(group: ProcessGroup, rank: int) -> int:
+    """torch's gather/broadcast/reduce take ``dst``/``src`` as global ranks."""
+    if group is None or group is get_default_group():
+        return rank
+    return torch_dist.get_global_rank(group, rank)
+
+
+def _all_gather(data: Tensor, group: ProcessGroup | None = None) -> list[Tensor]:
+    if get_world_size(group) == 1:
+        return [data]
+    group = _group(group)
+    with named_operation("all_gather", group):
+        shapes = _shape_of_each_rank(data, group)
+        if all(s == data.shape for s in shapes):
+            buffer = _for_comm(data, group)
+            out = [torch.empty_like(buffer) for _ in shapes]
+            torch_dist.all_gather(out, buffer, group)
+            return [t.to(data.device) for t in out]
+        return _gather_uneven(data, group, shapes, dst=None)
+
+
+def _all_gather_into(tensor_list: list[Tensor], tensor: Tensor,
+                     group: ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
+    """torch's call shape: fills ``tensor_list`` with every rank's ``tensor``."""
+    if get_world_size(group) == 1:
+        tensor_list[0].copy_(tensor)
+        return Handle() if async_op else None
+    group = _group(group)
+    same = all(t.shape == tensor.shape and t.device == tensor.device for t in tensor_list)
+    if not (same and tensor.device == get_comm_device(group) and tensor.is_contiguous()):
+        for target, gathered in zip(tensor_list, _all_gather(tensor, group)):
+            target.copy_(gathered)
+        return Handle() if async_op else None
+    return _run("all_gather", group, async_op,
+                lambda a: torch_dist.all_gather(tensor_list, tensor, group, async_op=a), None)
+
+
+def all_gather(data: Tensor | list[Tensor], *args: Any, **kwargs: Any) -> Any:
+    """Gather ``data`` from every rank: ``all_gather(data, group=None) -> list[Tensor]``.
+
+    Tensors may have different shapes on different ranks. Also accepts torch's call shape
+    ``all_gather(tensor_list, tensor, group=None, async_op=False)``, which fills
+    ``tensor_list``.
+    """
+    if isinstance(data, list):
+        return _all_gather_into(data, *args, **kwargs)
+    return _all_gather(data, *args, **kwargs)
+
+
+def _gather(data: Tensor, dst: int = 0, group: ProcessGroup | None = None) -> list[Tensor]:
+    if get_world_size(group) == 1:
+        return [data]
+    group = _group(group)
+    with named_operation("gather", group):
+        shapes = _shape_of_each_rank(data, group)
+        return _gather_uneven(data, group, shapes, dst=dst)
+
+
+def gather(data: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Gather ``data`` to ``dst``: ``gather(data, dst=0, group=None)`` returns the list on
+    ``dst`` and ``[]`` elsewhere.
+
+    Also accepts torch's call shape ``gather(tensor, gather_list, dst, group, async_op)``.
+    """
+    torch_shape = "gather_list" in kwargs or (args and (args[0] is None or isinstance(args[0], list)))
+    if not torch_shape:
+        return _gather(data, *args, **kwargs)
+    names = ("gather_list", "dst", "group", "async_op")
+    params = {"gather_list": None, "dst": 0, "group": None, "async_op": False}
+    params.update(zip(names, args))
+    params.update(kwargs)
+    gathered = _gather(data, params["dst"], params["group"])
+    for target, value in zip(params["gather_list"] or [], gathered):
+        target.copy_(value)
+    return Handle() if params["async_op"] else None
+
+
+def broadcast(data: Tensor, src: int = 0, group: ProcessGroup | None = None,
+              async_op: bool = False) -> Handle | None:
+    """Send ``src``'s ``data`` to every rank, in place (non-contiguous tensors too)."""
+    if get_world_size(group) == 1:
+        return Handle() if async_op else None
+    group = _group(group)
+    buffer = _for_comm(data, group)
+
+    def finish() -> None:
+        if buffer is not data:
+            data.copy_(buffer)
+
+    return _run("broadcast", group, async_op, lambda a: torch_dist.broadcast(
+        buffer, _global_rank(group, src), group, async_op=a), finish)
+
+
+def reduce(data: Tensor, dst: int = 0, op: str = "sum", group: ProcessGroup | None = None,
+           async_op: bool = False) -> Handle | None:
+    """Reduce ``data`` across ranks into ``dst``'s ``data``."""
+    op = reduce_op_name(op)
+    if get_world_size(group) == 1:
+        return Handle() if async_op else None
+    group = _group(group)
+    buffer = _for_comm(data, group)
+    world_size = get_world_size(group)
+    on_dst = get_rank(group) == dst
+
+    def finish() -> None:
+        if not on_dst:
+            return
+        result = torch.true_divide(buffer, world_size) if op == "mean" else buffer
+        if result is not data:
+            data.copy_(result)
+
+    return _run(f"reduce({op})", group, async_op, lambda a: torch_dist.reduce(
+        buffer, _global_rank(group, dst), _TORCH_OPS[op], group, async_op=a), finish)
+
+
+def sync_random_seed(seed: int | None = None, group: ProcessGroup | None = None) -> int:
+    """Rank 0's ``seed`` (or a fresh random one below 2**31) on every rank."""
+    if seed is None:
+        seed = int(np.random.randint(2**31))
+    if get_world_size(group) == 1:
+        return seed
+    value = torch.tensor(seed, dtype=torch.int64)
+    broadcast(value, 0, group)
+    return int(value.item())
+
+
+def _dict_value(value: Tensor | float | int, to_float: bool) -> Tensor:
+    """A dict value as a tensor: Python numbers as 64-bit, integers lifted to float on request."""
+    tensor = value if isinstance(value, Tensor) else torch.tensor(
+        value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+    if to_float and not tensor.is_floating_point():
+        tensor = tensor.to(torch.float64 if not isinstance(value, Tensor) else torch.float32)
+    return tensor
+
+
+def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
+                    group: ProcessGroup | None = None, to_float: bool = True) -> dict:
+    """Reduce every value of a dict in one flat collective per dtype; returns a new dict.
+
+    Keys may come in any order on each rank. Tensor values come back as tensors of their
+    shape, numbers as numbers. With ``to_float`` integer and bool values are reduced as
+    floats (so 'mean' is exact); floating values always keep their dtype.
+    """
+    op = reduce_op_name(op)
+    keys = sorted(data)
+    tensors = {k: _dict_value(data[k], to_float) for k in keys}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key in keys:
+        by_dtype.setdefault(tensors[key].dtype, []).append(key)
+    reduced: dict[str, Tensor] = {}
+    for names in by_dtype.values():
+        flat = _flatten_dense_tensors([tensors[k].contiguous() for k in names])
+        all_reduce(flat, op, group)
+        for key, value in zip(names, _unflatten_dense_tensors(flat, [tensors[k] for k in names])):
+            reduced[key] = value
+    return OrderedDict(
+        (k, reduced[k] if isinstance(data[k], Tensor) else reduced[k].item()) for k in data
+    )
+
+
+def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_size_mb: int = -1,
+                      op: str = "sum", group: ProcessGroup | None = None) -> None:
+    """Reduce parameters or buffers in place, flattened into buckets by dtype and size."""
+    op = reduce_op_name(op)
+    tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
+    if get_world_size(group) == 1 or not tensors:
+        return
+    if not coalesce:
+        for tensor in tensors:
+            all_reduce(tensor, op, group)
+        return
+    for bucket in _buckets(tensors, bucket_size_mb):
+        flat = _flatten_dense_tensors(bucket)
+        all_reduce(flat, op, group)
+        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(value)
+
+
+def _buckets(tensors: list[Tensor], bucket_size_mb: int) -> list[list[Tensor]]:
+    """Group tensors by dtype and device, then cut each group at ``bucket_size_mb``."""
+    limit = bucket_size_mb * 1024 * 1024 if bucket_size_mb > 0 else None
+    groups: dict[tuple, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    buckets = []
+    for group in groups.values():
+        current, size = [], 0
+        for tensor in group:
+            nbytes = tensor.numel() * tensor.element_size()
+            if limit is not None and current and size + nbytes > limit:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(tensor)
+            size += nbytes
+        buckets.append(current)
+    return buckets

@@ -1,0 +1,100 @@
+"""Which device computation and communication happen on, and moving nested data there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from trainrun.dist.info import get_backend
+
+# Communication backend -> the device type its collectives run on.
+_BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu", "cncl": "mlu", "mccl": "musa"}
+
+
+def get_device() -> str:
+    """The accelerator type this process computes on: 'cuda', 'npu', 'mlu', 'musa', 'mps' or 'cpu'."""
+    if torch.cuda.is_available():
+        return "cuda"
+    for name in ("npu", "mlu", "musa"):
+        module = getattr(torch, name, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return name
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def get_comm_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device ``group``'s backend communicates on: cuda for nccl, cpu for gloo and mpi."""
+    kind = _BACKEND_DEVICE.get(get_backend(group) or "", "cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def get_data_device(data: Any) -> torch.device:
+    """The one device of a tensor or of a (nested) list/tuple/dict of tensors.
+
+    Raises ValueError when the tensors sit on different devices or there are none, and
+    TypeError for anything that holds no tensors.
+    """
+    if isinstance(data, torch.Tensor):
+        return data.device
+    if isinstance(data, Mapping):
+        items: Iterable[Any] = data.values()
+    elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
+        items = data
+    else:
+        raise TypeError(
+            f"data should be a Tensor, a sequence of tensors or a dict of them, got {type(data)}"
+        )
+    device = None
+    for item in items:
+        current = get_data_device(item)
+        if device is None:
+            device = current
+        elif current != device:
+            raise ValueError(f"data holds tensors on different devices: {device} and {current}")
+    if device is None:
+        raise ValueError("data holds no tensors, so it has no device")
+    return device
+
+
+def cast_data_device(data: Any, device: torch.device | str, out: Any = None) -> Any:
+    """Move a tensor or (nested) list/tuple/dict of tensors to ``device``.
+
+    With ``out`` (the same nesting), copies into its tensors instead and returns ``out``.
+    """
+    if out is not None and type(out) is not type(data) and not (
+        isinstance(out, torch.Tensor) and isinstance(data, torch.Tensor)
+    ):
+        raise TypeError(f"out ({type(out)}) must have the same type as data ({type(data)})")
+    if isinstance(data, torch.Tensor):
+        if out is None:
+            return data.to(device)
+        if out.device != torch.device(device) and out.device.type != torch.device(device).type:
+            raise ValueError(f"out is on {out.device}, not on the requested {device}")
+        out.copy_(data)
+        return out
+    if isinstance(data, Mapping):
+        if out is None:
+            return type(data)({k: cast_data_device(v, device) for k, v in data.items()})
+        if set(out.keys()) != set(data.keys()):
+            raise ValueError("out and data must have the same keys")
+        for key, value in data.items():
+            cast_data_device(value, device, out[key])
+        return out
+    if isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
+        if out is None:
+            return type(data)(cast_data_device(item, device) for item in data)
+        if len(out) != len(data):
+            raise ValueError(f"out has {len(out)} items, data {len(data)}")
+        for item, target in zip(data, out):
+            cast_data_device(item, device, target)
+        return out
+    raise TypeError(
+        f"data should be a Tensor, a sequence of tensors or a dict of them, got {type(data)}"
+    )

@@ -1,0 +1,111 @@
+"""Who am I in the job: rank, world size, local rank and friends.
+
+Every function here answers sensibly in a process that never joined a process group
+(rank 0 of a world of 1), so library code can call them unconditionally.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as torch_dist
+from torch.distributed import ProcessGroup
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The group of the ranks on this node, set by `launch.init_local_group`.
+_LOCAL_GROUP: ProcessGroup | None = None
+
+
+def is_distributed() -> bool:
+    """True once this process has joined the default process group."""
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def get_default_group() -> ProcessGroup | None:
+    """The default (world) process group, or None when not distributed."""
+    return torch_dist.distributed_c10d._get_default_group() if is_distributed() else None
+
+
+def get_backend(group: ProcessGroup | None = None) -> str | None:
+    """The communication backend of ``group`` ('gloo', 'nccl', ...), None when not distributed."""
+    if not is_distributed():
+        return None
+    return str(torch_dist.get_backend(group or get_default_group()))
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of processes in ``group`` (1 when not distributed)."""
+    return torch_dist.get_world_size(group) if is_distributed() else 1
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (0 when not distributed)."""
+    return torch_dist.get_rank(group) if is_distributed() else 0
+
+
+def get_dist_info(group: ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group``."""
+    return get_rank(group), get_world_size(group)
+
+
+def is_main_process(group: ProcessGroup | None = None) -> bool:
+    """True on rank 0 of ``group``, and in a non-distributed process."""
+    return get_rank(group) == 0
+
+
+def get_local_group() -> ProcessGroup | None:
+    """The group of the ranks on this node, once `init_local_group` has built it."""
+    return _LOCAL_GROUP
+
+
+def _set_local_group(group: ProcessGroup | None) -> None:
+    global _LOCAL_GROUP
+    _LOCAL_GROUP = group
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def get_local_rank() -> int:
+    """Rank among the processes of this node (0 when not distributed).
+
+    Answers from the local group when there is one, else from ``LOCAL_RANK``, which every
+    launcher of `init_dist` exports.
+    """
+    if _LOCAL_GROUP is not None:
+        return torch_dist.get_rank(_LOCAL_GROUP)
+    return _env_int("LOCAL_RANK", 0) if is_distributed() else 0
+
+
+def get_local_size() -> int:
+    """Number of processes on this node (1 when not distributed)."""
+    if _LOCAL_GROUP is not None:
+        return torch_dist.get_world_size(_LOCAL_GROUP)
+    return _env_int("LOCAL_WORLD_SIZE", 1) if is_distributed() else 1
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group``; a no-op when not distributed."""
+    if is_distributed():
+        from trainrun.dist.timeouts import named_operation
+
+        with named_operation("barrier", group):
+            torch_dist.barrier(group)
+
+
+def master_only(func: F) -> F:
+    """Decorate ``func`` so it runs on rank 0 only; other ranks get None."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if is_main_process():
+            return func(*args, **kwargs)
+        return None
+
+    return wrapper  # type: ignore[return-value]

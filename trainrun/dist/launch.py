@@ -1,0 +1,306 @@
+"""Joining the job: the pytorch, slurm and mpi launchers, `init_dist` and local groups.
+
+Each launcher turns its own environment variables into one `LaunchEnv`; `init_dist` exports
+torchrun's variables from it (so code that reads ``LOCAL_RANK`` works under any launcher),
+joins the default process group and then checks that the ranks are consistent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from trainrun.dist.info import _set_local_group, get_world_size, is_distributed
+from trainrun.dist.slurm import expand_nodelist, expand_tasks_per_node
+from trainrun.dist.timeouts import named_operation, set_timeout, to_timedelta
+
+LAUNCHERS = ("pytorch", "slurm", "mpi")
+BACKENDS = ("nccl", "gloo", "mpi", "auto")
+DEFAULT_PORT = 29500
+
+
+class DistInitError(RuntimeError):
+    """The job cannot be joined: a launcher variable is missing, or the ranks disagree."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as a launcher describes it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def _require(name: str, how: str) -> str:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        raise DistInitError(f"{name} is not set: {how}, or use --launcher none")
+    return value
+
+
+def _int_var(name: str, how: str) -> int:
+    value = _require(name, how)
+    try:
+        return int(value)
+    except ValueError:
+        raise DistInitError(f"{name}={value!r} is not a whole number") from None
+
+
+def _port(port: int | str | None, fallback: int) -> int:
+    """The ``port`` argument, else MASTER_PORT from the environment, else ``fallback``."""
+    value = port if port is not None else os.environ.get("MASTER_PORT") or fallback
+    try:
+        port_number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"port must be a number from 1 to 65535, got {value!r}") from None
+    if not 0 < port_number < 65536:
+        raise ValueError(f"port must be a number from 1 to 65535, got {port_number}")
+    return port_number
+
+
+def pytorch_env(**_: Any) -> LaunchEnv:
+    """Read the variables torchrun (and `accelerate launch`) set."""
+    how = "start this with torchrun"
+    world_size = _int_var("WORLD_SIZE", how)
+    rank = _int_var("RANK", how)
+    return LaunchEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        master_addr=_require("MASTER_ADDR", how),
+        master_port=_port(None, _int_var("MASTER_PORT", how)),
+    )
+
+
+def slurm_port(port: int | str | None = None) -> int:
+    """``port``, else MASTER_PORT, else one derived from SLURM_JOB_ID, else 29500.
+
+    Deriving it from the job id keeps two jobs that share a node off each other's port.
+    """
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    fallback = 10000 + int(job_id) % 20000 if job_id.isdigit() else DEFAULT_PORT
+    return _port(port, fallback)
+
+
+def slurm_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
+    """Read the variables `srun` sets for each task."""
+    how = "start this with srun inside a SLURM allocation"
+    world_size = _int_var("SLURM_NTASKS", how)
+    local_rank = _int_var("SLURM_LOCALID", how)
+    hosts = expand_nodelist(_require("SLURM_NODELIST", how))
+    per_node_spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get(
+        "SLURM_TASKS_PER_NODE"
+    )
+    tasks_per_node = expand_tasks_per_node(per_node_spec) if per_node_spec else []
+    if os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit() and not tasks_per_node:
+        tasks_per_node = [int(os.environ["SLURM_NTASKS_PER_NODE"])] * len(hosts)
+    node_id = os.environ.get("SLURM_NODEID")
+    if tasks_per_node and node_id is not None and node_id.isdigit():
+        # global rank = tasks on the nodes before this one + local rank (block layout)
+        node = int(node_id)
+        rank = sum(tasks_per_node[:node]) + local_rank
+        local_world_size = tasks_per_node[node]
+    else:
+        rank = _int_var("SLURM_PROCID", how)
+        local_world_size = tasks_per_node[0] if tasks_per_node else world_size
+    return LaunchEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        master_addr=os.environ.get("MASTER_ADDR") or hosts[0],
+        master_port=slurm_port(port),
+    )
+
+
+def _mpi_master_addr(local_world_size: int, world_size: int) -> str:
+    """MASTER_ADDR, else loopback for a one-node job, else rank 0's host name via mpi4py."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    if local_world_size == world_size:
+        return "127.0.0.1"
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError):
+        raise DistInitError(
+            "MASTER_ADDR is not set and the job spans several nodes: export MASTER_ADDR "
+            "(e.g. mpirun -x MASTER_ADDR=<first host>) or install mpi4py"
+        ) from None
+    return MPI.COMM_WORLD.bcast(socket.gethostname(), root=0)
+
+
+def mpi_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
+    """Read Open MPI's (OMPI_COMM_WORLD_*) or MPICH / Intel MPI's (PMI_*) variables."""
+    how = "start this with mpirun"
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        rank = _int_var("OMPI_COMM_WORLD_RANK", how)
+        world_size = _int_var("OMPI_COMM_WORLD_SIZE", how)
+        local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank))
+        local_world_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", world_size))
+    elif "PMI_RANK" in os.environ:
+        rank = _int_var("PMI_RANK", how)
+        world_size = _int_var("PMI_SIZE", how)
+        local_rank = int(os.environ.get("MPI_LOCALRANKID", rank))
+        local_world_size = int(os.environ.get("MPI_LOCALNRANKS", world_size))
+    else:
+        raise DistInitError(
+            "OMPI_COMM_WORLD_RANK (Open MPI) or PMI_RANK (MPICH, Intel MPI) is not set: "
+            "start this with mpirun, or use --launcher none"
+        )
+    return LaunchEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        master_addr=_mpi_master_addr(local_world_size, world_size),
+        master_port=_port(port, DEFAULT_PORT),
+    )
+
+
+_LAUNCHER_ENVS = {"pytorch": pytorch_env, "slurm": slurm_env, "mpi": mpi_env}
+
+
+def infer_launcher() -> str:
+    """The launcher that started this process: 'pytorch', 'slurm', 'mpi' or 'none'."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return "pytorch"
+    if ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and int(
+        env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")) or 1
+    ) > 1:
+        return "slurm"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi"
+    return "none"
+
+
+def resolve_backend(backend: str) -> str:
+    """Check ``backend`` and turn 'auto' into nccl (CUDA available) or gloo."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and torch_dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "backend 'nccl' needs CUDA, but no CUDA device is available here: "
+            "use backend 'gloo' (or 'auto') on CPU"
+        )
+    if backend == "mpi" and not torch_dist.is_mpi_available():
+        raise ValueError(
+            "backend 'mpi' needs a torch built with MPI, and this one is not: "
+            "use backend 'gloo' (the mpi launcher works with any backend)"
+        )
+    return backend
+
+
+def _export(env: LaunchEnv) -> None:
+    os.environ.update(
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        LOCAL_WORLD_SIZE=str(env.local_world_size),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+    )
+
+
+def check_ranks(expected_world_size: int) -> None:
+    """Raise unless every rank agrees on the world size and the ranks are 0..N-1 once each."""
+    world_size = torch_dist.get_world_size()
+    mine = torch.tensor([torch_dist.get_rank(), expected_world_size], dtype=torch.int64)
+    if torch_dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    with named_operation("the rank check after joining the group"):
+        torch_dist.all_gather(gathered, mine)
+    ranks = [int(t[0]) for t in gathered]
+    sizes = [int(t[1]) for t in gathered]
+    if len(set(sizes)) != 1 or sizes[0] != world_size:
+        raise DistInitError(
+            f"ranks disagree on the world size: the group has {world_size} processes but "
+            f"they were told {sizes} (by rank); check the launcher's task counts"
+        )
+    if sum(ranks) != world_size * (world_size - 1) // 2 or sorted(ranks) != list(range(world_size)):
+        raise DistInitError(
+            f"ranks are not 0..{world_size - 1} once each: got {sorted(ranks)}, "
+            f"sum {sum(ranks)} instead of {world_size * (world_size - 1) // 2}"
+        )
+
+
+def init_dist(
+    launcher: str,
+    backend: str = "nccl",
+    *,
+    timeout: float | datetime.timedelta | None = None,
+    **kwargs: Any,
+) -> None:
+    """Join the default process group as ``launcher`` describes this process.
+
+    Args:
+        launcher: 'pytorch' (torchrun), 'slurm' (srun) or 'mpi' (mpirun).
+        backend: 'nccl', 'gloo', 'mpi', or 'auto' (nccl with CUDA, else gloo).
+        timeout: seconds or a timedelta every collective may take (default 30 minutes).
+        kwargs: ``port`` for slurm and mpi; the rest goes to `init_process_group`.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
+    backend = resolve_backend(backend)
+    timeout = to_timedelta(timeout)
+    if is_distributed():
+        raise DistInitError("the default process group is already initialised in this process")
+    env = _LAUNCHER_ENVS[launcher](**kwargs)
+    kwargs.pop("port", None)
+    _export(env)
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    set_timeout(timeout)
+    torch_dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{_host_for_url(env.master_addr)}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        **kwargs,
+    )
+    check_ranks(env.world_size)
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
+    """Build one group per node (ranks node*n .. node*n+n-1) and keep this node's.
+
+    Every rank takes part in creating every node's group, as torch requires, so this works
+    across any number of nodes. A no-op when not distributed.
+    """
+    if not is_distributed():
+        return
+    world_size = get_world_size()
+    if num_gpus_per_node <= 0 or world_size % num_gpus_per_node:
+        raise ValueError(
+            f"num_gpus_per_node={num_gpus_per_node} must be positive and divide the world "
+            f"size {world_size}"
+        )
+    num_nodes = world_size // num_gpus_per_node
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank={node_rank} must be in 0..{num_nodes - 1}")
+    local = None
+    for node in range(num_nodes):
+        ranks = list(range(node * num_gpus_per_node, (node + 1) * num_gpus_per_node))
+        group = torch_dist.new_group(ranks)
+        if node == node_rank:
+            local = group
+    _set_local_group(local)

@@ -1,0 +1,262 @@
+"""Collectives for any picklable object, and `collect_results` for distributed evaluation.
+
+Objects travel as pickled bytes (highest protocol) in uint8 tensors, with the cycle collector
+paused while (un)pickling. Only the bytes of other ranks are unpickled: a rank's own object is
+handed back as it is. `gather_object` and `collect_results` send point to point to one rank,
+which pickles nothing itself, so the others never hold the whole result list.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from trainrun.dist.collectives import _global_rank, _group
+from trainrun.dist.device import get_comm_device
+from trainrun.dist.info import barrier, get_backend, get_rank, get_world_size, is_distributed
+from trainrun.dist.timeouts import named_operation
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_CPU_GROUP: ProcessGroup | None = None
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cycle collector: (un)pickling many small containers would otherwise start
+    collections that walk every object of the process, again and again."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _dumps(obj: Any, device: torch.device) -> Tensor:
+    with _gc_paused():
+        payload = bytearray(pickle.dumps(obj, protocol=_PROTOCOL))
+    return torch.frombuffer(payload, dtype=torch.uint8).to(device)
+
+
+def _loads(buffer: Tensor, size: int) -> Any:
+    with _gc_paused():
+        return pickle.loads(buffer[:size].cpu().numpy())
+
+
+def _sizes(payload: Tensor, group: ProcessGroup) -> list[int]:
+    mine = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    sizes = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+    torch_dist.all_gather(sizes, mine, group)
+    return [int(s.item()) for s in sizes]
+
+
+def _padded(payload: Tensor, length: int) -> Tensor:
+    if payload.numel() == length:
+        return payload
+    out = torch.empty(length, dtype=torch.uint8, device=payload.device)
+    out[: payload.numel()] = payload
+    return out
+
+
+def cpu_group() -> ProcessGroup:
+    """A group over every rank that communicates on CPU: the default one when its backend is
+    gloo or mpi, else a gloo group made once (every rank must call this together the first time).
+    """
+    global _CPU_GROUP
+    if get_backend() in ("gloo", "mpi"):
+        return _group(None)
+    if _CPU_GROUP is None:
+        _CPU_GROUP = torch_dist.new_group(backend="gloo")
+    return _CPU_GROUP
+
+
+def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | None = None) -> None:
+    """Replace the items of ``data`` on every rank with ``src``'s, in place, like torch's."""
+    if get_world_size(group) == 1:
+        return
+    group = _group(group)
+    device = get_comm_device(group)
+    is_src = get_rank(group) == src
+    with named_operation("broadcast_object_list", group):
+        payload = _dumps(list(data), device) if is_src else None
+        size = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=device)
+        torch_dist.broadcast(size, _global_rank(group, src), group)
+        if not is_src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        torch_dist.broadcast(payload, _global_rank(group, src), group)
+    if not is_src:
+        data[:] = _loads(payload, payload.numel())
+
+
+def _all_gather_object(data: Any, group: ProcessGroup | None = None) -> list[Any]:
+    if get_world_size(group) == 1:
+        return [data]
+    group = _group(group)
+    rank = get_rank(group)
+    with named_operation("all_gather_object", group):
+        payload = _dumps(data, get_comm_device(group))
+        sizes = _sizes(payload, group)
+        longest = max(sizes)
+        out = [torch.empty(longest, dtype=torch.uint8, device=payload.device) for _ in sizes]
+        torch_dist.all_gather(out, _padded(payload, longest), group)
+    return [data if r == rank else _loads(out[r], sizes[r]) for r in range(len(sizes))]
+
+
+def all_gather_object(data: Any, *args: Any, **kwargs: Any) -> list[Any] | None:
+    """Every rank's ``data``: ``all_gather_object(data, group=None) -> list``.
+
+    This rank's own entry is ``data`` itself, not a copy. Also accepts torch's call shape
+    ``all_gather_object(object_list, obj, group=None)``, which fills ``object_list`` (pass
+    ``obj=None`` by keyword to gather None that way).
+    """
+    torch_shape = "obj" in kwargs or (
+        args and args[0] is not None and not isinstance(args[0], ProcessGroup)
+    )
+    if not torch_shape:
+        return _all_gather_object(data, *args, **kwargs)
+    obj = kwargs.pop("obj") if "obj" in kwargs else args[0]
+    group = kwargs.get("group", args[1] if len(args) > 1 else None)
+    data[:] = _all_gather_object(obj, group)
+    return None
+
+
+def _send_object(data: Any, dst: int, group: ProcessGroup) -> None:
+    """Send ``data`` to group rank ``dst``: its size, then its pickled bytes."""
+    payload = _dumps(data, get_comm_device(group))
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    torch_dist.send(size, _global_rank(group, dst), group)
+    torch_dist.send(payload, _global_rank(group, dst), group)
+
+
+def _receive_objects(sources: list[int], group: ProcessGroup) -> list[Any]:
+    """The objects that group ranks ``sources`` send with `_send_object`, in that order.
+
+    Every receive is posted before the first is unpickled, so later ranks' bytes arrive while
+    earlier ones are being unpickled.
+    """
+    device = get_comm_device(group)
+    senders = [_global_rank(group, src) for src in sources]
+    sizes = [torch.empty(1, dtype=torch.int64, device=device) for _ in senders]
+    for work in [torch_dist.irecv(sizes[i], src, group) for i, src in enumerate(senders)]:
+        work.wait()
+    payloads = [torch.empty(int(size.item()), dtype=torch.uint8, device=device) for size in sizes]
+    works = [torch_dist.irecv(payloads[i], src, group) for i, src in enumerate(senders)]
+    objects = []
+    for work, payload in zip(works, payloads, strict=True):
+        work.wait()
+        objects.append(_loads(payload, payload.numel()))
+    return objects
+
+
+def gather_object(data: Any, dst: int = 0, group: ProcessGroup | None = None) -> list | None:
+    """Every rank's ``data`` as a list on ``dst`` (None elsewhere); works on nccl too.
+
+    The other ranks send to ``dst`` point to point; ``dst`` neither pickles its own ``data``
+    (its entry is ``data`` itself) nor sends anything.
+    """
+    if get_world_size(group) == 1:
+        return [data]
+    group = _group(group)
+    rank = get_rank(group)
+    with named_operation("gather_object", group):
+        if rank != dst:
+            _send_object(data, dst, group)
+            return None
+        others = [r for r in range(get_world_size(group)) if r != dst]
+        received = iter(_receive_objects(others, group))
+    return [data if r == dst else next(received) for r in range(len(others) + 1)]
+
+
+_MISSING = object()
+
+
+def _interleave(parts: list[list[Any]], size: int) -> list[Any]:
+    """Undo a non-shuffling DistributedSampler's dealing: rank 0's first, rank 1's first, ..."""
+    total, world_size = sum(len(p) for p in parts), len(parts)
+    if all(len(p) == len(range(r, total, world_size)) for r, p in enumerate(parts)):
+        ordered = [None] * total
+        for r, part in enumerate(parts):
+            ordered[r::world_size] = part  # each rank's items into every world_size-th slot
+    else:  # parts of uneven lengths that no sampler deals: take them round-robin
+        mixed = itertools.chain.from_iterable(itertools.zip_longest(*parts, fillvalue=_MISSING))
+        ordered = [item for item in mixed if item is not _MISSING]
+    del ordered[size:]
+    return ordered
+
+
+def collect_results_gpu(result_part: list, size: int) -> list | None:
+    """Gather every rank's results to rank 0 through the communication backend."""
+    if not is_distributed():
+        return list(result_part)[:size]
+    parts = gather_object(list(result_part), dst=0)
+    return _interleave(parts, size) if parts is not None else None
+
+
+def _collect_through_dir(result_part: list, size: int, tmpdir: str) -> list | None:
+    rank, world_size = get_rank(), get_world_size()
+    holder = [None]
+    if rank == 0:
+        os.makedirs(tmpdir, exist_ok=True)
+        holder[0] = tempfile.mkdtemp(prefix="collect_", dir=tmpdir)  # mode 0700
+    broadcast_object_list(holder, src=0, group=cpu_group())
+    directory = holder[0]
+    try:
+        if rank != 0:
+            path = os.path.join(directory, f"part_{rank}.pkl")
+            with open(path + ".tmp", "wb") as f:
+                pickle.dump(list(result_part), f, protocol=_PROTOCOL)
+            os.replace(path + ".tmp", path)
+        barrier(cpu_group())
+        if rank != 0:
+            return None
+        parts = [list(result_part)]
+        for other in range(1, world_size):
+            with open(os.path.join(directory, f"part_{other}.pkl"), "rb") as f:
+                parts.append(pickle.load(f))
+        return _interleave(parts, size)
+    finally:
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def collect_results_cpu(result_part: list, size: int, tmpdir: str | None = None) -> list | None:
+    """Gather every rank's results to rank 0 on the CPU.
+
+    Without ``tmpdir`` they go through a gloo group (no shared disk needed); with it, through
+    a private directory created inside ``tmpdir`` (which every rank must see) and removed after.
+    """
+    if not is_distributed():
+        return list(result_part)[:size]
+    if tmpdir is not None:
+        return _collect_through_dir(result_part, size, tmpdir)
+    parts = gather_object(list(result_part), dst=0, group=cpu_group())
+    return _interleave(parts, size) if parts is not None else None
+
+
+def collect_results(results: list, size: int, device: str = "cpu",
+                    tmpdir: str | None = None) -> list | None:
+    """Rank 0 gets every rank's ``results`` in dataset order, cut to ``size``; others get None.
+
+    The order is the one a non-shuffling `DistributedSampler` dealt (rank 0's first item,
+    rank 1's first, ..., then the second ones); its padding is cut off; results that are
+    themselves None are kept. ``device`` is 'cpu' or 'gpu' (through the backend).
+    """
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu'; got {device!r}")
+    if device == "gpu":
+        return collect_results_gpu(results, size)
+    return collect_results_cpu(results, size, tmpdir)

@@ -1,0 +1,71 @@
+"""The collective timeout, and errors that name the operation that timed out."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch.distributed import ProcessGroup
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+# The timeout `init_dist` applied, for error messages.
+_timeout: datetime.timedelta = DEFAULT_TIMEOUT
+
+
+class DistTimeoutError(RuntimeError):
+    """A collective did not finish within the process group's timeout."""
+
+
+def to_timedelta(timeout: float | int | datetime.timedelta | None) -> datetime.timedelta:
+    """Seconds or a timedelta (None: the 30 minute default) as a positive timedelta."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        value = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = datetime.timedelta(seconds=timeout)
+    else:
+        raise ValueError(f"timeout must be seconds or a timedelta, got {timeout!r}")
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value.total_seconds()} s")
+    return value
+
+
+def set_timeout(timeout: datetime.timedelta) -> None:
+    global _timeout
+    _timeout = timeout
+
+
+def get_timeout() -> datetime.timedelta:
+    """The timeout every collective of the default group runs under."""
+    return _timeout
+
+
+def _looks_like_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text or "time out" in text
+
+
+@contextmanager
+def named_operation(name: str, group: ProcessGroup | None = None) -> Iterator[None]:
+    """Turn a backend's timeout error inside the block into one naming ``name`` and the timeout."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, DistTimeoutError) or not _looks_like_timeout(exc):
+            raise
+        from trainrun.dist.info import get_dist_info
+
+        try:
+            rank, world_size = get_dist_info(group)
+            where = f"rank {rank} of {world_size}"
+        except Exception:  # the group may be unusable after a timeout
+            where = "this rank"
+        seconds = _timeout.total_seconds()
+        raise DistTimeoutError(
+            f"{name} timed out after {seconds:g} s on {where}: another rank did not take part "
+            f"(it may have crashed, hung, or be waiting in a different collective). "
+            f"Backend said: {str(exc).strip().splitlines()[0]}"
+        ) from exc
