@@ -303,7 +303,8 @@ def _reduce_dict_body():
     ranks = range(world)
     assert list(mean) == list(data)
     assert mean["loss"].dtype == torch.float64  # never narrowed
-    assert mean["loss"].item() == pytest.approx(sum(0.1 * (r + 1) for r in ranks) / world, rel=1e-14)
+    exact_loss = sum(0.1 * (r + 1) for r in ranks) / world
+    assert mean["loss"].item() == pytest.approx(exact_loss, rel=1e-14)  # summation order varies
     assert torch.equal(mean["acc"], torch.tensor([sum(ranks), 2 * sum(ranks)]) / world)
     assert mean["count"] == sum(r + 1 for r in ranks) / world
     assert mean["lr"] == pytest.approx(1e-3)
@@ -357,3 +358,44 @@ def _reduce_params_mmengine_example():
 def test_all_reduce_params_matches_mmengine_example(run_on):
     assert run_on(1)(_reduce_params_mmengine_example) == [[[0, 1], [0, 1, 2]]]
     assert run_on(2)(_reduce_params_mmengine_example) == [[[2, 4], [3, 5, 7]]] * 2
+
+
+# ---------------------------------------------------------------- local groups
+
+
+def _local_group_body(gpus_per_node):
+    rank, world = dist.get_dist_info()
+    dist.init_local_group(rank // gpus_per_node, gpus_per_node)
+    local = dist.get_local_group()
+    summed = torch.tensor([rank])
+    if local is not None:
+        dist.all_reduce(summed, group=local)
+    return dist.get_local_rank(), dist.get_local_size(), summed.item()
+
+
+def test_local_groups_one_per_node(run_on):
+    """Two 'nodes' of one rank each: every rank helps create both groups, keeps its own."""
+    assert run_on(2)(_local_group_body, 1) == [(0, 1, 0), (0, 1, 1)]
+    assert run_on(2)(_local_group_body, 2) == [(0, 2, 1), (1, 2, 1)]
+    assert run_on(1)(_local_group_body, 1) == [(0, 1, 0)]
+
+
+def _stale_local_group_body():
+    """A local group made under an earlier default group is not handed out again."""
+    return dist.get_local_group() is None, dist.get_local_size()
+
+
+def test_local_group_does_not_outlive_its_default_group(run_on):
+    run_on(2)(_local_group_body, 1)
+    assert run_on(2)(_stale_local_group_body) == [(True, 2), (True, 2)]
+
+
+def _bad_local_group_body():
+    with pytest.raises(ValueError, match="divide the world size 3"):
+        dist.init_local_group(0, 2)
+    with pytest.raises(ValueError, match="node_rank=5"):
+        dist.init_local_group(5, 1)
+
+
+def test_local_group_rejects_bad_layouts(run_on):
+    run_on(3)(_bad_local_group_body)

@@ -16,8 +16,9 @@ from torch.distributed import ProcessGroup
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# The group of the ranks on this node, set by `launch.init_local_group`.
-_LOCAL_GROUP: ProcessGroup | None = None
+# The group of the ranks on this node, set by `launch.init_local_group`, with the default
+# group it was made in: once that default group is gone, so is the local group.
+_LOCAL_GROUP: tuple[ProcessGroup, ProcessGroup] | None = None
 
 
 def is_distributed() -> bool:
@@ -59,12 +60,14 @@ def is_main_process(group: ProcessGroup | None = None) -> bool:
 
 def get_local_group() -> ProcessGroup | None:
     """The group of the ranks on this node, once `init_local_group` has built it."""
-    return _LOCAL_GROUP
+    if _LOCAL_GROUP is None or _LOCAL_GROUP[0] is not get_default_group():
+        return None
+    return _LOCAL_GROUP[1]
 
 
 def _set_local_group(group: ProcessGroup | None) -> None:
     global _LOCAL_GROUP
-    _LOCAL_GROUP = group
+    _LOCAL_GROUP = (get_default_group(), group) if group is not None else None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -78,15 +81,17 @@ def get_local_rank() -> int:
     Answers from the local group when there is one, else from ``LOCAL_RANK``, which every
     launcher of `init_dist` exports.
     """
-    if _LOCAL_GROUP is not None:
-        return torch_dist.get_rank(_LOCAL_GROUP)
+    local_group = get_local_group()
+    if local_group is not None:
+        return torch_dist.get_rank(local_group)
     return _env_int("LOCAL_RANK", 0) if is_distributed() else 0
 
 
 def get_local_size() -> int:
     """Number of processes on this node (1 when not distributed)."""
-    if _LOCAL_GROUP is not None:
-        return torch_dist.get_world_size(_LOCAL_GROUP)
+    local_group = get_local_group()
+    if local_group is not None:
+        return torch_dist.get_world_size(local_group)
     return _env_int("LOCAL_WORLD_SIZE", 1) if is_distributed() else 1
 
 
