@@ -23,13 +23,12 @@ def _mpirun() -> list[str]:
 
 
 @pytest.mark.slow
-def test_mpi4py_backend_under_mpirun():
+def test_mpi4py_backend_under_mpirun(tmp_path):
     pytest.importorskip("mpi4py")
-    done = subprocess.run([*_mpirun(), sys.executable, str(SCRIPT)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([*_mpirun(), sys.executable, str(SCRIPT), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    lines = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
-                   key=lambda line: line["rank"])
+    lines = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert [line["rank"] for line in lines] == [0, 1]
     for line in lines:
         assert line["world_size"] == 2 and line["initialized"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,8 +18,10 @@ from torch.distributed import ProcessGroup
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The group of the ranks on this node, set by `launch.init_local_group`, with the default
-# group it was made in: once that default group is gone, so is the local group.
-_LOCAL_GROUP: tuple[ProcessGroup, ProcessGroup] | None = None
+# group it was made in: once that default group is gone, so is the local group. Both are held
+# weakly: a group kept alive past `destroy_process_group` is torn down at interpreter exit,
+# where gloo's threads can abort the process.
+_LOCAL_GROUP: tuple[weakref.ref, weakref.ref] | None = None
 
 
 def is_distributed() -> bool:
@@ -60,14 +63,15 @@ def is_main_process(group: ProcessGroup | None = None) -> bool:
 
 def get_local_group() -> ProcessGroup | None:
     """The group of the ranks on this node, once `init_local_group` has built it."""
-    if _LOCAL_GROUP is None or _LOCAL_GROUP[0] is not get_default_group():
+    if _LOCAL_GROUP is None or _LOCAL_GROUP[0]() is not get_default_group():
         return None
-    return _LOCAL_GROUP[1]
+    return _LOCAL_GROUP[1]()
 
 
 def _set_local_group(group: ProcessGroup | None) -> None:
     global _LOCAL_GROUP
-    _LOCAL_GROUP = (get_default_group(), group) if group is not None else None
+    _LOCAL_GROUP = (weakref.ref(get_default_group()), weakref.ref(group)) \
+        if group is not None else None
 
 
 def _env_int(name: str, default: int) -> int:

@@ -48,12 +48,20 @@ def _require(name: str, how: str) -> str:
     return value
 
 
-def _int_var(name: str, how: str) -> int:
-    value = _require(name, how)
+def _to_int(name: str, value: str) -> int:
     try:
         return int(value)
     except ValueError:
         raise DistInitError(f"{name}={value!r} is not a whole number") from None
+
+
+def _int_var(name: str, how: str) -> int:
+    return _to_int(name, _require(name, how))
+
+
+def _optional_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else _to_int(name, value)
 
 
 def _port(port: int | str | None, fallback: int) -> int:
@@ -71,13 +79,13 @@ def _port(port: int | str | None, fallback: int) -> int:
 def pytorch_env(**_: Any) -> LaunchEnv:
     """Read the variables torchrun (and `accelerate launch`) set."""
     how = "start this with torchrun"
+    rank = _int_var("RANK", how)  # first: a plain `python train.py` is told "RANK is not set"
     world_size = _int_var("WORLD_SIZE", how)
-    rank = _int_var("RANK", how)
     return LaunchEnv(
         rank=rank,
         world_size=world_size,
-        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        local_rank=_optional_int("LOCAL_RANK", rank),
+        local_world_size=_optional_int("LOCAL_WORLD_SIZE", world_size),
         master_addr=_require("MASTER_ADDR", how),
         master_port=_port(None, _int_var("MASTER_PORT", how)),
     )
@@ -97,8 +105,18 @@ def slurm_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
     """Read the variables `srun` sets for each task."""
     how = "start this with srun inside a SLURM allocation"
     world_size = _int_var("SLURM_NTASKS", how)
+    if world_size > 1 and not (os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")):
+        # the batch script (or an salloc shell) sees the job's task count but is one process:
+        # joining would wait for tasks that never come
+        raise DistInitError(
+            f"SLURM_STEP_ID is not set: this is the batch script or an salloc shell, not one of "
+            f"the {world_size} tasks; start this with srun inside a SLURM allocation, "
+            f"or use --launcher none"
+        )
     local_rank = _int_var("SLURM_LOCALID", how)
-    hosts = expand_nodelist(_require("SLURM_NODELIST", how))
+    hosts = expand_nodelist(
+        os.environ.get("SLURM_STEP_NODELIST") or _require("SLURM_NODELIST", how)
+    )
     per_node_spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get(
         "SLURM_TASKS_PER_NODE"
     )
@@ -106,7 +124,7 @@ def slurm_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
     if os.environ.get("SLURM_NTASKS_PER_NODE", "").isdigit() and not tasks_per_node:
         tasks_per_node = [int(os.environ["SLURM_NTASKS_PER_NODE"])] * len(hosts)
     node_id = os.environ.get("SLURM_NODEID")
-    if tasks_per_node and node_id is not None and node_id.isdigit():
+    if node_id is not None and node_id.isdigit() and int(node_id) < len(tasks_per_node):
         # global rank = tasks on the nodes before this one + local rank (block layout)
         node = int(node_id)
         rank = sum(tasks_per_node[:node]) + local_rank
@@ -146,13 +164,13 @@ def mpi_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
     if "OMPI_COMM_WORLD_RANK" in os.environ:
         rank = _int_var("OMPI_COMM_WORLD_RANK", how)
         world_size = _int_var("OMPI_COMM_WORLD_SIZE", how)
-        local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank))
-        local_world_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", world_size))
+        local_rank = _optional_int("OMPI_COMM_WORLD_LOCAL_RANK", rank)
+        local_world_size = _optional_int("OMPI_COMM_WORLD_LOCAL_SIZE", world_size)
     elif "PMI_RANK" in os.environ:
         rank = _int_var("PMI_RANK", how)
         world_size = _int_var("PMI_SIZE", how)
-        local_rank = int(os.environ.get("MPI_LOCALRANKID", rank))
-        local_world_size = int(os.environ.get("MPI_LOCALNRANKS", world_size))
+        local_rank = _optional_int("MPI_LOCALRANKID", rank)
+        local_world_size = _optional_int("MPI_LOCALNRANKS", world_size)
     else:
         raise DistInitError(
             "OMPI_COMM_WORLD_RANK (Open MPI) or PMI_RANK (MPICH, Intel MPI) is not set: "
@@ -176,11 +194,14 @@ def infer_launcher() -> str:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         return "pytorch"
-    if ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and int(
-        env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")) or 1
-    ) > 1:
+    # Open MPI before SLURM: mpirun inside an allocation starts its daemons with srun, so its
+    # ranks also carry SLURM_STEP_ID (one task per node) and would pass for an srun step
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return "mpi"
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    if ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and tasks.isdigit() and int(tasks) > 1:
         return "slurm"
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+    if "PMI_SIZE" in env:
         return "mpi"
     return "none"
 

@@ -1,21 +1,20 @@
 """Collectives for any picklable object, and `collect_results` for distributed evaluation.
 
-Objects travel as pickled bytes (highest protocol) in uint8 tensors, with the cycle collector
-paused while (un)pickling. Only the bytes of other ranks are unpickled: a rank's own object is
-handed back as it is. `gather_object` and `collect_results` send point to point to one rank,
-which pickles nothing itself, so the others never hold the whole result list.
+Objects travel as pickled bytes (highest protocol) in uint8 tensors. Only the bytes of other
+ranks are unpickled: a rank's own object is handed back as it is. `gather_object` and
+`collect_results` send point to point to one rank, which pickles nothing itself, so the others
+never hold the whole result list. `collect_results` sends results in chunks: pickling a chunk
+overlaps with unpickling the one before, and small pickles are faster than one big one.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
 from typing import Any
 
 import torch
@@ -25,36 +24,31 @@ from torch.distributed import ProcessGroup
 
 from trainrun.dist.collectives import _global_rank, _group
 from trainrun.dist.device import get_comm_device
-from trainrun.dist.info import barrier, get_backend, get_rank, get_world_size, is_distributed
+from trainrun.dist.info import (
+    barrier,
+    get_backend,
+    get_default_group,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
 from trainrun.dist.timeouts import named_operation
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-_CPU_GROUP: ProcessGroup | None = None
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cycle collector: (un)pickling many small containers would otherwise start
-    collections that walk every object of the process, again and again."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+# Results per message when collecting: rank 0 unpickles one chunk while the next is pickled.
+_CHUNK_ITEMS = 8192
+# The gloo group `cpu_group` made, with the default group it was made in (both weakly, as
+# info.py holds the local group): a new default group gets a new gloo group.
+_CPU_GROUP: tuple[weakref.ref, weakref.ref] | None = None
 
 
 def _dumps(obj: Any, device: torch.device) -> Tensor:
-    with _gc_paused():
-        payload = bytearray(pickle.dumps(obj, protocol=_PROTOCOL))
+    payload = bytearray(pickle.dumps(obj, protocol=_PROTOCOL))  # writable: no copy to a tensor
     return torch.frombuffer(payload, dtype=torch.uint8).to(device)
 
 
 def _loads(buffer: Tensor, size: int) -> Any:
-    with _gc_paused():
-        return pickle.loads(buffer[:size].cpu().numpy())
+    return pickle.loads(buffer[:size].cpu().numpy())
 
 
 def _sizes(payload: Tensor, group: ProcessGroup) -> list[int]:
@@ -79,9 +73,11 @@ def cpu_group() -> ProcessGroup:
     global _CPU_GROUP
     if get_backend() in ("gloo", "mpi"):
         return _group(None)
-    if _CPU_GROUP is None:
-        _CPU_GROUP = torch_dist.new_group(backend="gloo")
-    return _CPU_GROUP
+    made = _CPU_GROUP and _CPU_GROUP[1]()
+    if made is None or _CPU_GROUP[0]() is not get_default_group():
+        made = torch_dist.new_group(backend="gloo")
+        _CPU_GROUP = (weakref.ref(get_default_group()), weakref.ref(made))
+    return made
 
 
 def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | None = None) -> None:
@@ -198,12 +194,57 @@ def _interleave(parts: list[list[Any]], size: int) -> list[Any]:
     return ordered
 
 
+def _send_list(items: list, dst: int, group: ProcessGroup) -> None:
+    """Send ``items`` to group rank ``dst`` in chunks: the number of chunks, then each chunk's
+    size and pickled bytes. Sends are asynchronous, so the next chunk is pickled meanwhile."""
+    device = get_comm_device(group)
+    peer = _global_rank(group, dst)
+    starts = range(0, len(items), _CHUNK_ITEMS)
+    tensors = [torch.tensor([len(starts)], dtype=torch.int64, device=device)]  # kept till sent
+    works = [torch_dist.isend(tensors[0], peer, group)]
+    for start in starts:
+        payload = _dumps(items[start:start + _CHUNK_ITEMS], device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        tensors += [size, payload]
+        works += [torch_dist.isend(size, peer, group), torch_dist.isend(payload, peer, group)]
+    for work in works:
+        work.wait()
+
+
+def _receive_int(peer: int, group: ProcessGroup, device: torch.device) -> int:
+    value = torch.empty(1, dtype=torch.int64, device=device)
+    torch_dist.recv(value, peer, group)
+    return int(value.item())
+
+
+def _receive_list(src: int, group: ProcessGroup) -> list:
+    """The list that group rank ``src`` sends with `_send_list`, unpickled chunk by chunk
+    (while ``src`` pickles the next, and ranks after ``src`` pickle all of theirs)."""
+    device = get_comm_device(group)
+    peer = _global_rank(group, src)
+    items: list = []
+    for _ in range(_receive_int(peer, group, device)):
+        payload = torch.empty(_receive_int(peer, group, device), dtype=torch.uint8, device=device)
+        torch_dist.recv(payload, peer, group)
+        items.extend(_loads(payload, payload.numel()))
+    return items
+
+
+def _collect_through_group(result_part: list, size: int, group: ProcessGroup) -> list | None:
+    """Every rank sends its part to rank 0 point to point; rank 0 pickles nothing."""
+    with named_operation("collect_results", group):
+        if get_rank(group) != 0:
+            _send_list(list(result_part), 0, group)
+            return None
+        others = [_receive_list(src, group) for src in range(1, get_world_size(group))]
+    return _interleave([list(result_part), *others], size)
+
+
 def collect_results_gpu(result_part: list, size: int) -> list | None:
     """Gather every rank's results to rank 0 through the communication backend."""
     if not is_distributed():
         return list(result_part)[:size]
-    parts = gather_object(list(result_part), dst=0)
-    return _interleave(parts, size) if parts is not None else None
+    return _collect_through_group(result_part, size, _group(None))
 
 
 def _collect_through_dir(result_part: list, size: int, tmpdir: str) -> list | None:
@@ -243,8 +284,7 @@ def collect_results_cpu(result_part: list, size: int, tmpdir: str | None = None)
         return list(result_part)[:size]
     if tmpdir is not None:
         return _collect_through_dir(result_part, size, tmpdir)
-    parts = gather_object(list(result_part), dst=0, group=cpu_group())
-    return _interleave(parts, size) if parts is not None else None
+    return _collect_through_group(result_part, size, cpu_group())
 
 
 def collect_results(results: list, size: int, device: str = "cpu",

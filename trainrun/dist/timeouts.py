@@ -25,7 +25,10 @@ def to_timedelta(timeout: float | int | datetime.timedelta | None) -> datetime.t
     if isinstance(timeout, datetime.timedelta):
         value = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        value = datetime.timedelta(seconds=timeout)
+        try:
+            value = datetime.timedelta(seconds=timeout)
+        except (OverflowError, ValueError):  # inf, nan, or beyond timedelta's range
+            raise ValueError(f"timeout must be a finite number of seconds, got {timeout}") from None
     else:
         raise ValueError(f"timeout must be seconds or a timedelta, got {timeout!r}")
     if value.total_seconds() <= 0:
@@ -44,6 +47,14 @@ def get_timeout() -> datetime.timedelta:
 
 
 def _looks_like_timeout(exc: BaseException) -> bool:
+    """Whether a backend error is a timeout, from its text (torch has no timeout error type).
+
+    gloo (torch 2.13) raises a plain RuntimeError "[...unbound_buffer.cc:129] Timed out waiting
+    3000ms for send operation to complete" (or "recv"), then "Application timeout caused pair
+    closure" for every later collective of that group; NCCL's watchdog raises DistBackendError
+    (a RuntimeError) saying "...timeout". A peer that exited gives "Connection closed by peer",
+    which is not a timeout.
+    """
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text or "time out" in text
 

@@ -1,0 +1,232 @@
+"""Object collectives of trainrun.dist against MMEngine 0.10.7's, side by side in one job.
+
+Run under ``torchrun --nproc_per_node 2`` (``bench/run_collectives.sh`` does). Every operation
+runs several times, trainrun and MMEngine interleaved; a run's time is the slowest rank's wall
+time of the call, and the table shows medians. Rank 0 checks that both give the same result,
+and rank 1's peak memory during ``collect_results`` shows who holds the whole result list.
+MMEngine is a bench-only dependency: it is imported here, never by trainrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+import trainrun.dist as ours
+
+BIG_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class Case:
+    """One operation: a call per library, and how to compare their results."""
+
+    name: str
+    calls: dict[str, Callable[[], Any]]
+    same: Callable[[Any, Any], bool]
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    rss_mb: dict[str, float] = field(default_factory=dict)
+
+
+def make_results(size: int, rank: int, world_size: int) -> list[dict]:
+    """This rank's share of ``size`` small results, dealt as a non-shuffling sampler deals."""
+    return [
+        {"idx": i, "score": i * 0.001, "label": i % 1000, "filename": f"images/{i:08d}.jpg"}
+        for i in range(rank, size, world_size)
+    ]
+
+
+def make_big(rank: int) -> dict:
+    """An object of about 4 MB, different on every rank (a prediction array and its name)."""
+    array = np.full(BIG_BYTES // 4, rank, dtype=np.float32)
+    return {"rank": rank, "name": f"predictions_{rank}", "scores": array}
+
+
+def same_big(a: Any, b: Any) -> bool:
+    """Equality for lists of `make_big` objects (numpy arrays do not compare with ==)."""
+    if len(a) != len(b):
+        return False
+    return all(
+        x["rank"] == y["rank"] and x["name"] == y["name"]
+        and np.array_equal(x["scores"], y["scores"])
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def broadcast_call(broadcast: Callable[..., None], obj: Any, rank: int) -> Callable[[], Any]:
+    """A call that broadcasts ``obj`` from rank 0 into a fresh list and returns that list."""
+    def call() -> list:
+        data = [obj] if rank == 0 else [None]
+        broadcast(data, src=0)
+        return data
+    return call
+
+
+def build_cases(size: int, rank: int, world_size: int) -> list[Case]:
+    """The operations to compare; all data is built here, outside any timed region."""
+    import mmengine.dist as mm  # bench-only; works on the group trainrun initialised
+
+    results = make_results(size, rank, world_size)
+    big = make_big(rank)
+    cases = [
+        Case("collect_results, device='cpu'", {
+            "mmengine": lambda: mm.collect_results(results, size, device="cpu"),
+            "trainrun": lambda: ours.collect_results(results, size, device="cpu"),
+        }, lambda a, b: a == b),
+        Case("collect_results, device='gpu'", {
+            "mmengine": lambda: mm.collect_results(results, size, device="gpu"),
+            "trainrun": lambda: ours.collect_results(results, size, device="gpu"),
+        }, lambda a, b: a == b),
+        Case("all_gather_object, 4 MB", {
+            "mmengine": lambda: mm.all_gather_object(big),
+            "trainrun": lambda: ours.all_gather_object(big),
+        }, same_big),
+        Case("broadcast_object_list, 4 MB", {
+            "mmengine": broadcast_call(mm.broadcast_object_list, big, rank),
+            "trainrun": broadcast_call(ours.broadcast_object_list, big, rank),
+        }, same_big),
+        Case("gather_object, 4 MB", {
+            "mmengine": lambda: mm.gather_object(big, dst=0),
+            "trainrun": lambda: ours.gather_object(big, dst=0),
+        }, lambda a, b: a is b is None or same_big(a, b)),
+    ]
+    return cases
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) so the next reading covers one call only."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def timed(call: Callable[[], Any], measure_rss: bool) -> tuple[Any, float, float]:
+    """Run ``call`` on every rank; return its result, the slowest rank's seconds, and this
+    rank's peak RSS increase in MB during the call (NaN when not measured)."""
+    gc.collect()
+    rss_before = _status_kb("VmRSS")
+    measure_rss = measure_rss and reset_peak_rss()
+    torch_dist.barrier()
+    start = time.perf_counter()
+    out = call()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    rss_mb = (_status_kb("VmHWM") - rss_before) / 1024 if measure_rss else float("nan")
+    torch_dist.all_reduce(elapsed, op=torch_dist.ReduceOp.MAX)
+    return out, float(elapsed.item()), rss_mb
+
+
+def run_case(case: Case, repeats: int, rank: int) -> None:
+    """Time both libraries ``repeats`` times, alternating who goes first; check on rank 0
+    that their results agree, and on other ranks that `collect_results` gave None."""
+    names = list(case.calls)
+    for repeat in range(repeats):
+        outputs = {}
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            measure = case.name.startswith("collect_results") and rank == 1
+            out, seconds, rss_mb = timed(case.calls[name], measure)
+            case.seconds.setdefault(name, []).append(seconds)
+            if measure:
+                case.rss_mb[name] = max(case.rss_mb.get(name, 0.0), rss_mb)
+            outputs[name] = out if repeat == 0 else None
+            del out
+        if repeat == 0:
+            check(case, outputs, rank)
+
+
+def check(case: Case, outputs: dict[str, Any], rank: int) -> None:
+    """Both libraries must give the same result; `collect_results` gives None off rank 0."""
+    theirs, mine = outputs["mmengine"], outputs["trainrun"]
+    if case.name.startswith("collect_results") and rank != 0:
+        assert mine is None, f"{case.name}: rank {rank} got {type(mine).__name__}, not None"
+        return
+    assert case.same(theirs, mine), f"{case.name}: trainrun and MMEngine disagree on rank {rank}"
+
+
+def rss_of_rank1(cases: list[Case], rank: int) -> dict[str, dict[str, float]]:
+    """Rank 1's peak RSS increases, sent to rank 0 for the report."""
+    table = [{c.name: c.rss_mb for c in cases if c.rss_mb}] if rank == 1 else [None]
+    torch_dist.broadcast_object_list(table, src=1)
+    return table[0]
+
+
+def report(cases: list[Case], rss: dict[str, dict[str, float]], size: int, repeats: int,
+           verbose: bool) -> None:
+    """Print the Markdown table (medians) and rank 1's memory use."""
+    if verbose:
+        for case in cases:
+            for name, seconds in case.seconds.items():
+                print(f"{case.name:32} {name:9}", " ".join(f"{s:.3f}" for s in seconds))
+    print(f"\n{size:,} results on 2 ranks, gloo; median of {repeats} interleaved runs, "
+          "slowest rank's wall time\n")
+    print("| operation | MMEngine s | trainrun s | MMEngine/trainrun |")
+    print("|---|---:|---:|---:|")
+    for case in cases:
+        theirs = statistics.median(case.seconds["mmengine"])
+        mine = statistics.median(case.seconds["trainrun"])
+        print(f"| {case.name} | {theirs:.3f} | {mine:.3f} | {theirs / mine:.2f}x |")
+    if rss:
+        print("\nRank 1 peak RSS increase during collect_results (MB):\n")
+        print("| operation | MMEngine | trainrun |")
+        print("|---|---:|---:|")
+        for name, by_lib in rss.items():
+            print(f"| {name} | {by_lib['mmengine']:.0f} | {by_lib['trainrun']:.0f} |")
+
+
+def shared_workdir(rank: int) -> str:
+    """A fresh directory every rank moves into: MMEngine's cpu mode leaves `.dist_test` there."""
+    holder = [tempfile.mkdtemp(prefix="trainrun_bench_") if rank == 0 else None]
+    torch_dist.broadcast_object_list(holder, src=0)
+    os.chdir(holder[0])
+    return holder[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=200_000, help="results in all (default 200000)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each library (default 5)")
+    parser.add_argument("--only", default="", help="run only operations whose name contains this")
+    parser.add_argument("--verbose", action="store_true", help="print every run's seconds too")
+    args = parser.parse_args()
+
+    ours.init_dist("pytorch", "gloo")
+    rank, world_size = ours.get_dist_info()
+    workdir = shared_workdir(rank)
+    try:
+        cases = [c for c in build_cases(args.size, rank, world_size) if args.only in c.name]
+        for case in cases:
+            run_case(case, args.repeats, rank)
+        rss = rss_of_rank1(cases, rank)
+        if rank == 0:
+            report(cases, rss, args.size, args.repeats, args.verbose)
+    finally:
+        torch_dist.barrier()
+        if rank == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
+        torch_dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
