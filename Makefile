@@ -11,7 +11,7 @@ setup:
 	@bash tools/bootstrap.sh
 
 train: setup
-	$(VENV)/bin/torchrun --nproc_per_node 2 tools/dist_demo.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 tools/train.py configs/digits_ddp.yaml --launcher pytorch
 
 test: setup
 	$(PY) -m pytest -q -ra

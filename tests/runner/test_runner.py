@@ -1,0 +1,164 @@
+"""The runner end to end, in one process and on 2 gloo ranks: the run directory, logging,
+checkpoints, exact resume, seeds and evaluation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainrun.dist as dist
+from trainrun.runner.runner import Runner
+
+DATASET = "tests.runner.toy.ToyRegression"
+MODEL = {"type": "tests.runner.toy.ToyModel"}
+
+
+def _runner(work_dir, *, max_epochs=None, max_iters=None, checkpoint=None, resume=False,
+            seed=7, diff_rank_seed=False, batch_size=4, size=64, strategy="ddp", hooks=(),
+            val=True, log_interval=1):
+    schedule = {"max_iters": max_iters} if max_iters else {"max_epochs": max_epochs or 2}
+    return Runner(
+        model=MODEL, work_dir=work_dir,
+        train_dataloader={"type": DATASET, "size": size, "batch_size": batch_size},
+        val_dataloader={"type": DATASET, "size": 21, "seed": 1, "batch_size": 4} if val else None,
+        optim={"type": "SGD", "lr": 0.01, "momentum": 0.9},
+        scheduler={"type": "cosine", "warmup_iters": 3},
+        strategy=strategy, schedule=schedule,
+        randomness={"seed": seed, "diff_rank_seed": diff_rank_seed},
+        logging={"interval": log_interval, "backends": ["jsonl"]},
+        checkpoint=checkpoint or {"interval": 0}, resume=resume, hooks=hooks,
+    )
+
+
+def _records(work_dir) -> list[dict]:
+    path = Path(work_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _train_losses(work_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in _records(work_dir) if "mode" not in r]
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashAt:
+    """A hook that raises after iteration ``step`` (like a process killed there)."""
+
+    priority = 99
+
+    def __init__(self, step):
+        self.step = step
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        if runner.iter == self.step:
+            raise _Crash(f"crash after step {self.step}")
+
+
+def _single_run_body(work_dir):
+    runner = _runner(work_dir, max_epochs=2, checkpoint={"interval": 1, "max_keep": 1})
+    runner.train()
+    runner.close()
+    return dist.get_rank()
+
+
+def test_run_directory_and_metrics(run_on, tmp_path):
+    run_on(1)(_single_run_body, str(tmp_path))
+    records = _records(tmp_path)
+    train = [r for r in records if "mode" not in r]
+    assert [r["step"] for r in train] == list(range(1, 33))  # 64 samples / 4 per step x 2 epochs
+    assert {r["epoch"] for r in train} == {1, 2}
+    assert all(isinstance(r["loss"], float) and isinstance(r["lr"], float) for r in train)
+    val = [r for r in records if r.get("mode") == "val"]
+    assert [r["step"] for r in val] == [16, 32] and all("mse" in r for r in val)
+    assert (tmp_path / "train.log").read_text().count("validation at step") == 2
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "last").read_text().strip() == "epoch_2.pth"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_2.pth", "last"]  # max_keep 1
+
+
+def _loss_mean_body(work_dir):
+    _runner(work_dir, max_iters=4, val=False, diff_rank_seed=True).train()
+    return dist.get_rank()
+
+
+def test_logged_loss_is_the_mean_over_ranks(run_on, tmp_path):
+    """With diff_rank_seed the ranks' dropout differs; the logged loss is their mean."""
+    run_on(2)(_loss_mean_body, str(tmp_path))
+    assert len(_train_losses(tmp_path)) == 4
+    assert not (tmp_path / "metrics.jsonl.1").exists()
+
+
+def _resume_body(work_dir, crash_step, checkpoint):
+    try:
+        _runner(work_dir, max_iters=24, checkpoint=checkpoint,
+                hooks=[CrashAt(crash_step)]).train()
+    except _Crash:
+        pass
+    runner = _runner(work_dir, max_iters=24, checkpoint=checkpoint, resume=True)
+    runner.train()
+    runner.close()
+
+
+def _straight_body(work_dir):
+    _runner(work_dir, max_iters=24, checkpoint={"interval": 5}).train()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_mid_epoch_gives_bit_identical_losses(run_on, tmp_path, world_size):
+    """Checkpoint at step 10 (mid-epoch), crash at 13, resume: steps 11..24 log exactly what
+    a run that never stopped logs, to the last bit."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_on(world_size)(_straight_body, str(straight))
+    run_on(world_size)(_resume_body, str(resumed), 13, {"interval": 5})
+    expected = dict(_train_losses(straight))
+    logged = _train_losses(resumed)
+    after_resume = [(step, loss) for step, loss in logged[13:]]
+    assert [step for step, _ in after_resume] == list(range(11, 25))
+    for step, loss in after_resume:
+        assert loss == expected[step], (step, loss, expected[step])
+    val_straight = [r for r in _records(straight) if r.get("mode") == "val"]
+    val_resumed = [r for r in _records(resumed) if r.get("mode") == "val"]
+    assert val_resumed[-1] == val_straight[-1]
+
+
+def _seed_body(work_dir, diff_rank_seed):
+    runner = _runner(work_dir, max_iters=8, val=False, diff_rank_seed=diff_rank_seed)
+    first = next(iter(runner.train_dataloader))
+    model = runner.strategy.unwrap(runner.model)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    noise = torch.rand(3)  # the rank's own random stream after seeding
+    return first["index"].tolist(), weights, noise
+
+
+def test_seeds_shared_and_diff_rank_seed(run_on, tmp_path):
+    same = run_on(2)(_seed_body, str(tmp_path / "a"), False)
+    differ = run_on(2)(_seed_body, str(tmp_path / "b"), True)
+    for results in (same, differ):
+        (indices0, weights0, _), (indices1, weights1, _) = results
+        assert not set(indices0) & set(indices1)  # each rank its own shard
+        assert torch.equal(weights0, weights1)  # DDP starts every rank from rank 0's weights
+    assert torch.equal(same[0][2], same[1][2])
+    assert not torch.equal(differ[0][2], differ[1][2])
+    again = run_on(2)(_seed_body, str(tmp_path / "c"), False)
+    assert torch.equal(again[0][2], same[0][2]) and again[0][0] == same[0][0]
+
+
+def _only_rank0_writes_body(base):
+    """Each rank is handed its own work_dir: whatever a rank writes lands in its own."""
+    work_dir = Path(base) / f"rank{dist.get_rank()}"
+    _runner(work_dir, max_iters=6, checkpoint={"interval": 3}).train()
+
+
+def test_only_rank_zero_writes(run_on, tmp_path):
+    run_on(2)(_only_rank0_writes_body, str(tmp_path))
+    written = {str(p.relative_to(tmp_path / "rank0")) for p in (tmp_path / "rank0").rglob("*")}
+    assert {"metrics.jsonl", "train.log", "checkpoints/last", "checkpoints/iter_6.pth"} <= written
+    assert not (tmp_path / "rank1").exists()

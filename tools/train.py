@@ -1,0 +1,12 @@
+"""Train from a YAML config (see `trainrun.runner.cli` and the README).
+
+    python tools/train.py CONFIG [--launcher {none,pytorch,slurm,mpi}] [--work-dir DIR]
+                          [--resume [CKPT]] [--cfg-options key=value ...] [--amp] [--dry-run]
+"""
+
+import sys
+
+from trainrun.runner.cli import train_main
+
+if __name__ == "__main__":
+    sys.exit(train_main())

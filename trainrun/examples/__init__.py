@@ -1,0 +1,121 @@
+"""The built-in models, data sets and metrics, by the short names configs use.
+
+Each registry maps a short name to where the object lives (``"module:attribute"``), so
+importing this package imports no model: `resolve` imports only what a config asks for. A
+config's ``type`` may also be a dotted import path (``pkg.module.Class`` or
+``pkg.module:Class``), which is how a researcher's own classes are used.
+
+Metrics carry default keyword options, because one class serves several names
+(``MeanOf(name='val_loss')`` and ``MeanOf(name='mode_distance')``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+from typing import Any
+
+MODELS: dict[str, str] = {
+    "DigitsMLP": "trainrun.examples.digits:DigitsMLP",
+    "TinyLM": "trainrun.examples.tinylm:TinyLM",
+    "ToyGAN": "trainrun.examples.gan:ToyGAN",
+}
+
+DATASETS: dict[str, str] = {
+    "digits": "trainrun.examples.digits:DigitsDataset",
+    "char_corpus": "trainrun.examples.tinylm:CharCorpus",
+    "gaussian_mixture": "trainrun.examples.gan:GaussianMixture",
+}
+
+# name -> (where the class lives, the keyword options that name implies)
+METRICS: dict[str, tuple[str, dict[str, Any]]] = {
+    "accuracy": ("trainrun.runner.evaluation:Accuracy", {}),
+    "mean": ("trainrun.runner.evaluation:MeanOf", {}),
+    "val_loss": ("trainrun.runner.evaluation:MeanOf", {"name": "val_loss"}),
+    "mode_distance": ("trainrun.runner.evaluation:MeanOf", {"name": "mode_distance"}),
+}
+
+REGISTRIES: dict[str, dict[str, Any]] = {"model": MODELS, "dataset": DATASETS, "metric": METRICS}
+
+
+def resolve(kind: str, name: str) -> Any:
+    """The class (or, for a metric with default options, a `functools.partial` of it) that
+    ``name`` stands for; call it with the config section's remaining options.
+
+    ``kind`` is ``'model'``, ``'dataset'`` or ``'metric'``. ``name`` is a short name of that
+    registry, or, when it contains a dot, an import path ``pkg.module.Class`` or
+    ``pkg.module:Class``. Raises ValueError naming the kind, the name and the choices.
+    """
+    if kind not in REGISTRIES:
+        raise ValueError(f"unknown registry kind {kind!r}; the kinds are: "
+                         f"{', '.join(REGISTRIES)}")
+    registry = REGISTRIES[kind]
+    if name in registry:
+        target, defaults = _entry(registry[name])
+        found = import_target(target, kind)
+        return functools.partial(found, **defaults) if defaults else found
+    if "." in name or ":" in name:
+        try:
+            return import_target(name, kind)
+        except ValueError as error:
+            sep = " " if str(error).endswith("?") else ". "
+            raise ValueError(f"{error}{sep}{_registered(kind, registry)}") from None
+    hint = _closest(name, list(registry))
+    raise ValueError(f"unknown {kind} type {name!r}"
+                     + (f"; did you mean {hint!r}?" if hint else ".")
+                     + f" {_registered(kind, registry)}; any other class is named by its "
+                     f"import path, e.g. 'my_project.module.ClassName'")
+
+
+def _entry(entry: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """A registry entry as (target, default options)."""
+    return (entry, {}) if isinstance(entry, str) else entry
+
+
+def import_target(path: str, kind: str = "object") -> Any:
+    """The object at ``pkg.module:attr`` (or ``pkg.module.attr``), imported now.
+
+    A module that is missing, or an attribute the module lacks, is a ValueError naming
+    ``kind`` and ``path``; an import error raised inside an existing module is passed on
+    unchanged, since that is the module's own fault.
+    """
+    module_name, sep, attribute = path.partition(":")
+    if not sep:
+        module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise ValueError(f"{kind} type {path!r} is not an import path like 'pkg.module.Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not _is_prefix(error.name, module_name):
+            raise
+        raise ValueError(f"{kind} type {path!r}: no module named {error.name!r}") from None
+    found: Any = module
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            hint = _closest(part, [n for n in dir(found) if not n.startswith("_")])
+            owner = getattr(found, "__name__", repr(found))
+            raise ValueError(f"{kind} type {path!r}: {owner} has no attribute {part!r}"
+                             + (f"; did you mean {hint!r}?" if hint else ""))
+        found = getattr(found, part)
+    return found
+
+
+def _is_prefix(missing: str, module_name: str) -> bool:
+    """Whether the module that could not be found is ``module_name`` or one of its parents."""
+    return module_name == missing or module_name.startswith(missing + ".")
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    """The choice most like ``name``, ignoring case, or None when none is close."""
+    by_lower = {choice.lower(): choice for choice in choices}
+    match = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.5)
+    return by_lower[match[0]] if match else None
+
+
+def _registered(kind: str, registry: dict[str, Any]) -> str:
+    return f"Registered {kind}s: {', '.join(sorted(registry))}"
+
+
+__all__ = ["DATASETS", "METRICS", "MODELS", "REGISTRIES", "import_target", "resolve"]

@@ -1,0 +1,91 @@
+"""Building a run's parts (model, data loaders, metrics, optimisers) from config sections."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainrun.examples import resolve
+from trainrun.runner.evaluation import BaseMetric
+from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
+from trainrun.runner.sampler import ResumableSampler
+from trainrun.runner.seed import seed_worker
+from trainrun.wrappers.base import Optimizers
+
+LOADER_OPTIONS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory",
+                  "persistent_workers")
+
+
+def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    options = dict(cfg)
+    return options.pop("type"), options
+
+
+def build_model(cfg: Mapping[str, Any]) -> nn.Module:
+    name, options = _split(cfg)
+    return resolve("model", name)(**options)
+
+
+def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool) -> DataLoader:
+    """A loader over the data set ``cfg`` names, dealt to ranks by a `ResumableSampler`.
+
+    The loader gets a generator of its own (re-seeded every epoch by the loop), so building
+    iterators never draws from the global random stream.
+    """
+    name, options = _split(cfg)
+    loader = {key: options.pop(key) for key in LOADER_OPTIONS if key in options}
+    options.pop("metrics", None)
+    dataset = resolve("dataset", name)(**options)
+    shuffle = loader.pop("shuffle", train)
+    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed)
+    num_workers = loader.get("num_workers", 0)
+    return DataLoader(
+        dataset,
+        batch_size=loader.get("batch_size", 32),
+        sampler=sampler,
+        num_workers=num_workers,
+        drop_last=loader.get("drop_last", False) and train,
+        pin_memory=loader.get("pin_memory", False),
+        persistent_workers=loader.get("persistent_workers", False) and num_workers > 0,
+        worker_init_fn=seed_worker,
+        generator=torch.Generator(),
+    )
+
+
+def build_metrics(cfg: Mapping[str, Any] | None, dataset: Any) -> list[BaseMetric]:
+    """The metrics a val/test section names, else those its data set declares."""
+    names = list((cfg or {}).get("metrics") or getattr(dataset, "DEFAULT_METRICS", []))
+    return [resolve("metric", name)() for name in names]
+
+
+def optimizer_factory(cfg: Mapping[str, Any]) -> Any:
+    """A function building the optimiser(s) of ``cfg`` over a module: one, or one per
+    submodule named in ``per_module`` (each with its own overrides)."""
+    common = {k: v for k, v in cfg.items()
+              if k not in ("clip_grad", "accumulate", "per_module") and v is not None}
+    per_module = cfg.get("per_module")
+
+    def make(module: nn.Module) -> Optimizers:
+        if not per_module:
+            return build_optimizer(module.parameters(), common)
+        return {name: build_optimizer(getattr(module, name).parameters(),
+                                      {**common, **dict(overrides or {})})
+                for name, overrides in per_module.items()}
+
+    return make
+
+
+def wrap_optimizers(optimizer: Optimizers, cfg: Mapping[str, Any], precision: str,
+                    device_type: str) -> OptimWrapper | OptimWrapperDict:
+    def wrap(one: torch.optim.Optimizer) -> OptimWrapper:
+        return OptimWrapper(one, accumulate=cfg.get("accumulate", 1),
+                            clip_grad=cfg.get("clip_grad"), precision=precision,
+                            device_type=device_type)
+
+    if isinstance(optimizer, Mapping):
+        return OptimWrapperDict({name: wrap(opt) for name, opt in optimizer.items()})
+    return wrap(optimizer)

@@ -1,0 +1,261 @@
+"""The command lines of ``tools/train.py`` and ``tools/test.py``.
+
+Exit codes: 0 success; 2 a bad config or command line (one line on stderr naming the key or
+argument, no traceback); 1 a failure while running (the traceback, then one line naming the
+rank). Nothing is written before the config is valid, and a dry run writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from trainrun.dist import infer_launcher
+from trainrun.dist.launch import resolve_backend
+from trainrun.runner.config import LAUNCHERS, ConfigError, dataset_kwargs, load_config
+from trainrun.runner.plan import STARTERS, describe_plan, env_rank
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass
+class Job:
+    """A validated config and what the command line asked to do with it."""
+
+    cfg: DictConfig
+    warnings: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+
+# ---------------------------------------------------------------- parsers
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--launcher", choices=LAUNCHERS,
+                        help="how the processes were started (wins over the config)")
+    parser.add_argument("--work-dir", metavar="DIR", help="the run directory (wins over the "
+                        "config's work_dir)")
+    parser.add_argument("--cfg-options", nargs="+", action="extend", default=[],
+                        metavar="KEY=VALUE",
+                        help="dotlist overrides, e.g. optim.lr=0.01 strategy.type=ddp")
+    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
+                        help="set by torch.distributed.launch; fills LOCAL_RANK when unset")
+
+
+def train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train.py", description="Train from a YAML config.")
+    parser.add_argument("config", metavar="CONFIG", help="the YAML config")
+    _add_common(parser)
+    parser.add_argument("--resume", nargs="?", const=True, metavar="CKPT",
+                        help="resume from CKPT, or from the newest checkpoint in work_dir")
+    parser.add_argument("--amp", action="store_true",
+                        help="mixed precision: bf16 (fp16 on a GPU without bf16)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config, print the plan, train nothing, write nothing")
+    return parser
+
+
+def test_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="test.py",
+                                     description="Test a checkpoint on the config's test data.")
+    parser.add_argument("config", metavar="CONFIG", help="the YAML config")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint to test")
+    _add_common(parser)
+    return parser
+
+
+# ---------------------------------------------------------------- preparing
+
+def fill_local_rank(local_rank: int | None) -> None:
+    """``--local-rank`` fills LOCAL_RANK only where the launcher did not set it."""
+    if local_rank is not None and not os.environ.get("LOCAL_RANK"):
+        os.environ["LOCAL_RANK"] = str(local_rank)
+
+
+def amp_precision() -> str:
+    """bf16, or fp16 on a CUDA device without bf16 support."""
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "fp16"
+    return "bf16"
+
+
+def _command_line_values(args: argparse.Namespace) -> dict[str, Any]:
+    """Config keys the command line sets; they win over the config and --cfg-options."""
+    values: dict[str, Any] = {}
+    if args.launcher is not None:
+        values["launcher"] = args.launcher
+    if args.work_dir is not None:
+        values["work_dir"] = args.work_dir
+    return values
+
+
+def _launcher_warnings(cfg: DictConfig) -> list[str]:
+    started_by = infer_launcher()
+    if cfg.launcher != "none" or started_by == "none":
+        return []
+    return [f"launcher: 'none', but {STARTERS[started_by]} started this process: each process "
+            f"trains alone; pass --launcher {started_by}"]
+
+
+def _check_backend(cfg: DictConfig) -> None:
+    """A backend this machine cannot run is a config error, caught before anything starts."""
+    if cfg.launcher == "none":
+        return
+    try:
+        resolve_backend(cfg.backend)
+    except ValueError as error:
+        raise ConfigError(f"backend: {error}") from None
+
+
+def prepare_train(argv: Sequence[str] | None = None) -> Job:
+    """Parse the train command line and load, override and validate the config.
+
+    Raises SystemExit for argparse's usage errors and ConfigError for a bad config.
+    """
+    args = train_parser().parse_args(argv)
+    fill_local_rank(args.local_rank)
+    values = _command_line_values(args)
+    if args.resume is not None:
+        values["resume"] = args.resume
+    if args.amp:
+        values["precision"] = amp_precision()
+    warnings: list[str] = []
+    cfg = load_config(args.config, args.cfg_options, values=values, on_warning=warnings.append)
+    if not args.dry_run:
+        _check_backend(cfg)
+    return Job(cfg, warnings + _launcher_warnings(cfg), dry_run=args.dry_run)
+
+
+def prepare_test(argv: Sequence[str] | None = None) -> Job:
+    """Parse the test command line; the checkpoint becomes ``load_from`` (and no resume)."""
+    args = test_parser().parse_args(argv)
+    fill_local_rank(args.local_rank)
+    if not os.path.exists(args.checkpoint):
+        raise ConfigError(f"CHECKPOINT: got {args.checkpoint!r}, expected an existing "
+                          f"checkpoint file or directory")
+    values = {**_command_line_values(args), "load_from": args.checkpoint, "resume": False}
+    warnings: list[str] = []
+    cfg = load_config(args.config, args.cfg_options, values=values, mode="test",
+                      on_warning=warnings.append)
+    _check_backend(cfg)
+    return Job(cfg, warnings + _launcher_warnings(cfg))
+
+
+# ---------------------------------------------------------------- running
+
+def _rank(cfg: DictConfig | None) -> int:
+    """This process's rank: from the process group once joined, else from the environment."""
+    from trainrun.dist import get_rank, is_distributed
+
+    if is_distributed():
+        return get_rank()
+    launcher = cfg.launcher if cfg is not None else "none"
+    return env_rank(launcher if launcher != "none" else infer_launcher())
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _usage_error(error: ConfigError) -> int:
+    _say("error: " + " ".join(str(error).split("\n")))
+    return EXIT_USAGE
+
+
+def _report_warnings(job: Job) -> None:
+    if _rank(job.cfg) == 0:
+        for warning in job.warnings:
+            _say(f"warning: {warning}")
+
+
+def _step(error: BaseException, runner: Any) -> int | None:
+    """The step a failure happened at: the exception's ``step``, else the runner's ``iter``."""
+    for step in (getattr(error, "step", None), getattr(runner, "iter", None)):
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    return None
+
+
+def _report_failure(error: BaseException, cfg: DictConfig, runner: Any) -> int:
+    traceback.print_exception(error, file=sys.stderr)
+    step = _step(error, runner)
+    where = f"rank {_rank(cfg)}" + (f", step {step}" if step is not None else "")
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    _say(f"{where}: {type(error).__name__}: {first_line}")
+    return EXIT_FAILED
+
+
+def run(cfg: DictConfig, method: str) -> int:
+    """Build the runner from ``cfg`` and call its ``method`` ('train' or 'test')."""
+    runner = None
+    try:
+        from trainrun.runner.runner import Runner
+
+        runner = Runner.from_cfg(cfg)
+        getattr(runner, method)()
+    except ConfigError as error:
+        return _usage_error(error)
+    except KeyboardInterrupt:
+        _say(f"rank {_rank(cfg)}: interrupted")
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except BaseException as error:  # checkpoint errors derive from BaseException
+        return _report_failure(error, cfg, runner)
+    return EXIT_OK
+
+
+def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
+    """The train set's length, built through ``trainrun.examples.resolve``, or None and why."""
+    try:
+        from trainrun.examples import resolve
+    except ImportError:
+        return None, "trainrun.examples.resolve is not available"
+    train = cfg.data.train
+    try:
+        dataset = resolve("dataset", train.type)(**dataset_kwargs(train))
+        return len(dataset), None
+    except Exception as error:  # a plan reports what it cannot know, it does not fail
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return None, f"could not build data.train: {type(error).__name__}: {first_line}"
+
+
+def dry_run(job: Job) -> int:
+    """Print the plan (rank 0 only); nothing is initialised or written."""
+    if _rank(job.cfg) == 0:
+        length, why = train_set_length(job.cfg)
+        print(describe_plan(job.cfg, dataset_length=length))
+        if why:
+            print(f"  (train set size unknown: {why})")
+    return EXIT_OK
+
+
+def _main(prepare: Any, argv: Sequence[str] | None, method: str) -> int:
+    try:
+        job = prepare(argv)
+    except SystemExit as exit_:  # argparse: usage errors (2) and --help (0)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    except ConfigError as error:
+        return _usage_error(error)
+    _report_warnings(job)
+    if job.dry_run:
+        return dry_run(job)
+    return run(job.cfg, method)
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    """``tools/train.py``: returns the exit code."""
+    return _main(prepare_train, argv, "train")
+
+
+def test_main(argv: Sequence[str] | None = None) -> int:
+    """``tools/test.py``: returns the exit code."""
+    return _main(prepare_test, argv, "test")

@@ -1,0 +1,9 @@
+"""Hooks: logging, checkpointing, timing and validation are hooks, and so can be yours."""
+
+from trainrun.runner.hooks.base import Hook
+from trainrun.runner.hooks.checkpoint import CheckpointHook
+from trainrun.runner.hooks.logger import LoggerHook
+from trainrun.runner.hooks.timer import IterTimerHook
+from trainrun.runner.hooks.validation import ValidationHook
+
+__all__ = ["CheckpointHook", "Hook", "IterTimerHook", "LoggerHook", "ValidationHook"]

@@ -1,0 +1,25 @@
+"""Runs validation every ``val_interval`` epochs (or iterations) and at the end of training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainrun.runner.hooks.base import Hook, every
+
+
+class ValidationHook(Hook):
+    priority = 40
+
+    def __init__(self, interval: int = 1):
+        self.interval = interval
+
+    def after_train_epoch(self, runner: Any) -> None:
+        if runner.by_epoch and (every(runner.epoch, self.interval)
+                                or runner.epoch == runner.max_epochs):
+            runner.val()
+
+    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
+                         outputs: dict[str, Any]) -> None:
+        if not runner.by_epoch and (every(runner.iter, self.interval)
+                                    or runner.iter == runner.max_iters):
+            runner.val()

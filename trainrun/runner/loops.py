@@ -1,0 +1,122 @@
+"""The training, validation and test loops.
+
+Training counts in epochs or in iterations (``max_epochs`` or ``max_iters``); either way it
+walks the data epoch by epoch, so the sampler's epoch and cursor always say where it is.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainrun.runner.optim import PRECISIONS
+from trainrun.runner.sampler import ResumableSampler
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors of a (nested) batch moved to ``device``; anything else left as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def start_epoch(loader: DataLoader, epoch: int, seed: int, from_cursor: bool = False) -> None:
+    """Point ``loader`` at ``epoch``: its sampler's order, and a loader generator of its own so
+    workers' seeds depend on the epoch, not on how much of the global RNG was used."""
+    sampler = loader.sampler
+    if isinstance(sampler, ResumableSampler) and not from_cursor:
+        sampler.set_epoch(epoch)
+    elif hasattr(sampler, "set_epoch") and not isinstance(sampler, ResumableSampler):
+        sampler.set_epoch(epoch)
+    if loader.generator is not None:
+        loader.generator.manual_seed(seed + epoch)
+
+
+class TrainLoop:
+    """Runs epochs until ``max_epochs`` epochs or ``max_iters`` iterations are done.
+
+    ``runner.epoch`` is the 0-based epoch being trained; it counts the finished epochs by the
+    time ``after_train_epoch`` runs. ``runner.iter`` counts finished iterations.
+    """
+
+    def __init__(self, runner: Any, dataloader: DataLoader):
+        self.runner = runner
+        self.dataloader = dataloader
+        self.resume_mid_epoch = False  # set when a checkpoint stopped inside an epoch
+
+    def run(self) -> None:
+        runner = self.runner
+        runner.call_hook("before_train")
+        while not runner.train_done():
+            self.run_epoch()
+        runner.call_hook("after_train")
+
+    def run_epoch(self) -> None:
+        runner, loader = self.runner, self.dataloader
+        start_epoch(loader, runner.epoch, runner.seed, from_cursor=self.resume_mid_epoch)
+        self.resume_mid_epoch = False
+        sampler = loader.sampler
+        start_cursor = getattr(sampler, "cursor", 0)
+        step_samples = (loader.batch_size or 1) * getattr(sampler, "num_replicas", 1)
+        runner.call_hook("before_train_epoch")
+        runner.model.train()
+        finished = True
+        for batch_idx, batch in enumerate(loader):
+            runner.call_hook("before_train_iter", batch_idx, batch)
+            outputs = runner.model.train_step(to_device(batch, runner.device), runner.optim_wrapper)
+            runner.iter += 1
+            if isinstance(sampler, ResumableSampler):
+                sampler.cursor = min(start_cursor + (batch_idx + 1) * step_samples,
+                                     sampler.dataset_len)
+            for scheduler in runner.schedulers:
+                scheduler.step()
+            runner.call_hook("after_train_iter", batch_idx, batch, outputs)
+            if not runner.by_epoch and runner.iter >= runner.max_iters:
+                finished = batch_idx + 1 == len(loader)
+                break
+        if finished:
+            if isinstance(sampler, ResumableSampler):
+                sampler.cursor = sampler.dataset_len
+            runner.epoch += 1
+            runner.call_hook("after_train_epoch")
+
+
+class EvalLoop:
+    """Predicts every batch of one data set and scores it with ``metrics``."""
+
+    def __init__(self, runner: Any, dataloader: DataLoader, metrics: list[Any], mode: str):
+        self.runner = runner
+        self.dataloader = dataloader
+        self.metrics = metrics
+        self.mode = mode  # 'val' or 'test'
+
+    @torch.no_grad()
+    def run(self) -> dict[str, float]:
+        runner = self.runner
+        runner.call_hook(f"before_{self.mode}")
+        start_epoch(self.dataloader, 0, runner.seed)
+        was_training = runner.model.training
+        runner.model.eval()
+        dtype = PRECISIONS.get(runner.precision)
+        autocast = torch.autocast(runner.device.type, dtype) if dtype else nullcontext()
+        step = runner.model.val_step if self.mode == "val" else runner.model.test_step
+        for batch in self.dataloader:
+            batch = to_device(batch, runner.device)
+            with autocast:
+                outputs = step(batch)
+            for metric in self.metrics:
+                metric.process(batch, outputs)
+        size = len(self.dataloader.dataset)
+        results: dict[str, float] = {}
+        for metric in self.metrics:
+            results.update(metric.evaluate(size))
+        runner.model.train(was_training)
+        runner.call_hook(f"after_{self.mode}", results)
+        return results

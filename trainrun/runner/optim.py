@@ -1,0 +1,124 @@
+"""Optimiser wrapper: backward, gradient accumulation, clipping and mixed precision.
+
+A model's ``train_step`` runs its forward inside ``optim_context`` and hands the loss to
+``update_params``; this class decides the rest, so models never repeat it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
+    """Any ``torch.optim`` class by name, e.g. ``{'type': 'AdamW', 'lr': 1e-3}``."""
+    options = dict(cfg)
+    name = options.pop("type")
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise ValueError(f"optim.type={name!r} is not an optimiser in torch.optim")
+    return cls(params, **options)
+
+
+class OptimWrapper:
+    """One optimiser with accumulation over ``accumulate`` micro-steps, clipping to
+    ``clip_grad`` (a max norm, or ``{'max_norm': ..., 'norm_type': ...}``) and autocast in
+    ``precision`` (fp16 with a gradient scaler)."""
+
+    def __init__(self, optimizer: Optimizer, accumulate: int = 1,
+                 clip_grad: float | dict[str, float] | None = None, precision: str = "fp32",
+                 device_type: str = "cpu"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+        self.optimizer = optimizer
+        self.accumulate = accumulate
+        if isinstance(clip_grad, (int, float)):
+            clip_grad = {"max_norm": clip_grad}
+        self.clip_grad = clip_grad
+        self.precision = precision
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
+        self.micro_steps = 0  # taken since the last optimiser step
+        self.grad_norm: Tensor | None = None
+
+    @property
+    def will_step(self) -> bool:
+        """Whether the current micro-step ends with an optimiser step (and gradient sync)."""
+        return self.micro_steps + 1 >= self.accumulate
+
+    @contextmanager
+    def optim_context(self, model: nn.Module) -> Iterator[None]:
+        """Around the forward: no gradient sync on micro-steps that do not step, and autocast."""
+        with ExitStack() as stack:
+            if not self.will_step and hasattr(model, "no_sync"):
+                stack.enter_context(model.no_sync())
+            if PRECISIONS[self.precision] is not None:
+                stack.enter_context(torch.autocast(self.device_type, PRECISIONS[self.precision]))
+            yield
+
+    def update_params(self, loss: Tensor) -> None:
+        """Backward ``loss``; step and zero the gradients once ``accumulate`` micro-steps are in."""
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
+        self.backward(loss)
+        self.micro_steps += 1
+        if self.micro_steps >= self.accumulate:
+            self.step()
+            self.zero_grad()
+            self.micro_steps = 0
+
+    def backward(self, loss: Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip_grad:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]
+                      if p.grad is not None]
+            self.grad_norm = nn.utils.clip_grad_norm_(params, **self.clip_grad)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the wrapper adds to the optimiser's own state (saved by the strategy)."""
+        return {"micro_steps": self.micro_steps,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_steps = state["micro_steps"]
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class OptimWrapperDict(dict):
+    """One `OptimWrapper` per named submodule, for models with several optimisers (GANs).
+
+    The model's own ``train_step`` picks ``optim_wrapper['generator']`` and so on.
+    """
+
+    def get_lr(self) -> float:
+        return next(iter(self.values())).get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: wrapper.state_dict() for name, wrapper in self.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, wrapper in self.items():
+            wrapper.load_state_dict(state[name])

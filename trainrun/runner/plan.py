@@ -1,0 +1,195 @@
+"""The plan ``--dry-run`` prints: who runs where, with what batch, for how many steps.
+
+Everything comes from the validated config and the launcher's environment variables; nothing
+is initialised and nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainrun.dist import get_device
+from trainrun.dist.launch import resolve_backend
+
+# The variables each launcher announces the world size and this process's rank in.
+WORLD_SIZE_VARS = {"pytorch": ("WORLD_SIZE",), "slurm": ("SLURM_NTASKS",),
+                   "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
+RANK_VARS = {"pytorch": ("RANK",), "slurm": ("SLURM_PROCID",),
+             "mpi": ("OMPI_COMM_WORLD_RANK", "PMI_RANK")}
+STARTERS = {"pytorch": "torchrun", "slurm": "srun", "mpi": "mpirun"}
+
+
+def _env_int(names: tuple[str, ...]) -> tuple[int, str] | None:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value), name
+    return None
+
+
+def env_world_size(launcher: str) -> tuple[int, str]:
+    """The world size ``launcher``'s variables announce, and a note on where it came from."""
+    if launcher not in WORLD_SIZE_VARS:
+        return 1, "launcher none"
+    found = _env_int(WORLD_SIZE_VARS[launcher])
+    if found is None:
+        names = " / ".join(WORLD_SIZE_VARS[launcher])
+        return 1, f"{names} not set: not started by {STARTERS[launcher]}; showing 1"
+    return found[0], f"from {found[1]}"
+
+
+def env_rank(launcher: str) -> int:
+    """This process's rank as ``launcher``'s variables announce it (0 when they do not)."""
+    found = _env_int(RANK_VARS.get(launcher, ()))
+    return found[0] if found else 0
+
+
+def steps_per_epoch(dataset_length: int, world_size: int, batch_size: int,
+                    drop_last: bool) -> int:
+    """Iterations per epoch on each rank: a DistributedSampler pads the data set to a multiple
+    of the world size, then each rank's share is cut into batches."""
+    per_rank = math.ceil(dataset_length / world_size)
+    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+
+
+def _show(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+def _options(options: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={_show(v)}" for k, v in options.items() if k != "type")
+
+
+def _with_options(section: Mapping[str, Any]) -> str:
+    options = _options(section)
+    return section["type"] + (f" ({options})" if options else "")
+
+
+def _resume(resume: bool | str) -> str:
+    if isinstance(resume, str):
+        return resume
+    return "from the newest checkpoint in work_dir" if resume else "no"
+
+
+def _backend(cfg: Mapping[str, Any]) -> str:
+    try:
+        resolved = resolve_backend(cfg["backend"])
+    except ValueError as error:
+        return f"{cfg['backend']} (not usable here: {error})"
+    text = f"{resolved} (auto)" if cfg["backend"] == "auto" else resolved
+    return text + (" (unused: launcher none joins no group)" if cfg["launcher"] == "none" else "")
+
+
+def _devices(launcher: str, world_size: int) -> str:
+    device = get_device()
+    if device == "cuda":
+        import torch
+
+        return (f"cuda: one GPU per rank (cuda:LOCAL_RANK), {torch.cuda.device_count()} "
+                f"visible here" if launcher != "none" else "cuda:0")
+    return device if world_size == 1 else f"{device} on each of {world_size} processes"
+
+
+def _unit(schedule: Mapping[str, Any], count: int) -> str:
+    unit = "epoch" if schedule["max_epochs"] is not None else "iteration"
+    return f"{count} {unit}" + ("s" if count != 1 else "")
+
+
+def _steps(cfg: Mapping[str, Any], world_size: int, dataset_length: int | None) -> str:
+    train, schedule = cfg["data"]["train"], cfg["schedule"]
+    accumulate = cfg["optim"]["accumulate"]
+    per_epoch = None if dataset_length is None else steps_per_epoch(
+        dataset_length, world_size, train["batch_size"], train["drop_last"])
+    if schedule["max_iters"] is not None:
+        total = schedule["max_iters"]
+        epochs = "" if not per_epoch else f" (about {total / per_epoch:.1f} epochs)"
+        head = f"{per_epoch if per_epoch is not None else 'unknown'} per epoch; "
+        return f"{head}{total} in all{epochs}; {total // accumulate} optimiser steps"
+    if per_epoch is None:
+        return f"unknown (the train set's size is unknown) over {schedule['max_epochs']} epochs"
+    total = per_epoch * schedule["max_epochs"]
+    return (f"{per_epoch} per epoch; {total} in all over {schedule['max_epochs']} epochs; "
+            f"{total // accumulate} optimiser steps")
+
+
+def _validation(cfg: Mapping[str, Any]) -> str:
+    val = cfg["data"]["val"]
+    if val is None:
+        return "none (data.val is null)"
+    metrics = ", ".join(val["metrics"]) if val["metrics"] else "the data set's default"
+    return (f"every {_unit(cfg['schedule'], cfg['schedule']['val_interval'])} on {val['type']} "
+            f"(batch {val['batch_size']} per rank; metrics: {metrics})")
+
+
+def _optimiser(optim: Mapping[str, Any]) -> str:
+    arguments = {k: v for k, v in optim.items() if k not in ("clip_grad", "accumulate",
+                                                              "per_module")}
+    clip = optim["clip_grad"]
+    text = (f"{_with_options(arguments)}; accumulate {optim['accumulate']}; clip_grad "
+            + (_options(clip) if clip else "none"))
+    per_module = [f"{name} ({_options(overrides) or 'shared options'})"
+                  for name, overrides in (optim["per_module"] or {}).items()]
+    return text + (f"; per module: {', '.join(per_module)}" if per_module else "")
+
+
+def _checkpoints(cfg: Mapping[str, Any]) -> str:
+    ckpt = cfg["checkpoint"]
+    every = (f"every {_unit(cfg['schedule'], ckpt['interval'])}" if ckpt["interval"]
+             else "no periodic checkpoints")
+    keep = "all" if ckpt["max_keep"] == -1 else str(ckpt["max_keep"])
+    best = (f"best by {ckpt['save_best']} ({ckpt['best_rule']})" if ckpt["save_best"]
+            else "no best")
+    return f"{every}, keep {keep}, save last: {str(ckpt['save_last']).lower()}, {best}"
+
+
+def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None,
+                  dataset_length: int | None = None) -> str:
+    """The resolved plan of a validated config, as lines of text.
+
+    ``world_size`` defaults to what the launcher's variables announce; ``dataset_length`` is
+    the train set's length (None: steps per epoch are shown as unknown).
+    """
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    note = "given"
+    if world_size is None:
+        world_size, note = env_world_size(cfg["launcher"])
+    train, optim = cfg["data"]["train"], cfg["optim"]
+    batch = train["batch_size"]
+    effective = batch * world_size * optim["accumulate"]
+    schedule = cfg["schedule"]
+    length = "size unknown" if dataset_length is None else f"{dataset_length} items"
+    rows = [
+        ("launcher", cfg["launcher"]),
+        ("world size", f"{world_size} ({note})"),
+        ("backend", _backend(cfg)),
+        ("strategy", _with_options(cfg["strategy"])),
+        ("devices", _devices(cfg["launcher"], world_size)),
+        ("model", cfg["model"]["type"]),
+        ("train data", f"{train['type']}, {length}"),
+        ("batch size", f"{batch} per rank; effective {batch} x {world_size} ranks x "
+                       f"{optim['accumulate']} accumulated = {effective}"),
+        ("iterations", _steps(cfg, world_size, dataset_length)),
+        ("schedule", _unit(schedule, schedule["max_epochs"] or schedule["max_iters"])),
+        ("validation", _validation(cfg)),
+        ("optimiser", _optimiser(optim)),
+        ("scheduler", _with_options(cfg["scheduler"]) if cfg["scheduler"]
+         else "none (constant learning rate)"),
+        ("precision", cfg["precision"]),
+        ("seed", _options(cfg["randomness"])),
+        ("checkpoints", _checkpoints(cfg)),
+        ("resume", _resume(cfg["resume"])),
+        ("load_from", cfg["load_from"] or "none"),
+        ("work_dir", f"{cfg['work_dir']} (not created by a dry run)"),
+    ]
+    width = max(len(label) for label, _ in rows) + 2
+    lines = [f"plan for {cfg['name']!r} (dry run: nothing is trained or written)"]
+    lines += [f"  {label.ljust(width)}{value}" for label, value in rows]
+    return "\n".join(lines)

@@ -1,0 +1,348 @@
+"""The runner: builds a run from one config (or from objects) and trains, validates, tests.
+
+Order of work in ``__init__``: join the job, seed every rank, prepare the run directory and
+the log, build model and data, let the strategy wrap the model and build the optimiser,
+then schedule, metrics and hooks. ``train()`` resumes or loads weights first, then loops.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainrun.dist import barrier, gather_object, get_dist_info, init_dist, is_distributed
+from trainrun.runner.builder import (
+    build_dataloader,
+    build_metrics,
+    build_model,
+    optimizer_factory,
+    wrap_optimizers,
+)
+from trainrun.runner.checkpoint import CheckpointManager
+from trainrun.runner.evaluation import BaseMetric
+from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
+from trainrun.runner.logging import MetricsFile, get_logger, setup_logging
+from trainrun.runner.loops import EvalLoop, TrainLoop
+from trainrun.runner.sampler import ResumableSampler
+from trainrun.runner.scheduler import build_scheduler
+from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
+from trainrun.wrappers import Strategy, build_strategy
+from trainrun.wrappers.base import load_state_file
+
+
+class Runner:
+    """Trains, validates and tests one model under one strategy.
+
+    Every part may be given as an object or as its config section (a dict); `from_cfg`
+    passes the sections of a validated config.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Mapping[str, Any],
+        work_dir: str | os.PathLike,
+        train_dataloader: DataLoader | Mapping[str, Any] | None = None,
+        val_dataloader: DataLoader | Mapping[str, Any] | None = None,
+        test_dataloader: DataLoader | Mapping[str, Any] | None = None,
+        optim: Mapping[str, Any] | Callable[[nn.Module], Any] | None = None,
+        scheduler: Mapping[str, Any] | None = None,
+        strategy: str | Mapping[str, Any] | Strategy = "ddp",
+        precision: str = "fp32",
+        schedule: Mapping[str, Any] | None = None,
+        val_metrics: Sequence[BaseMetric] | None = None,
+        test_metrics: Sequence[BaseMetric] | None = None,
+        hooks: Sequence[Hook] = (),
+        randomness: Mapping[str, Any] | None = None,
+        logging: Mapping[str, Any] | None = None,
+        checkpoint: Mapping[str, Any] | None = None,
+        resume: bool | str = False,
+        load_from: str | None = None,
+        launcher: str = "none",
+        backend: str = "auto",
+        dist_timeout: float = 1800,
+        cfg: Any = None,
+    ):
+        self.cfg = cfg
+        self._owns_group = launcher != "none" and not is_distributed()
+        if self._owns_group:
+            init_dist(launcher, backend, timeout=dist_timeout)
+        self.rank, self.world_size = get_dist_info()
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        randomness = {"seed": 42, "deterministic": False, "diff_rank_seed": False,
+                      **(randomness or {})}
+        self.seed = set_random_seed(**randomness)
+        self.resume_from = resume
+        self.load_from = load_from
+        self.work_dir = Path(work_dir)
+        self._prepare_work_dir()
+        self.logger = get_logger()
+        self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
+        self.precision = precision
+
+        model = build_model(model) if isinstance(model, Mapping) else model
+        self.train_dataloader = self._loader(train_dataloader, train=True)
+        self.val_dataloader = self._loader(val_dataloader, train=False)
+        self.test_dataloader = self._loader(test_dataloader, train=False)
+        self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader)
+        self.test_metrics = self._metrics(test_metrics, test_dataloader, self.test_dataloader)
+
+        self.strategy = self._strategy(strategy)
+        make_optimizer = optimizer_factory(optim) if isinstance(optim, Mapping) else optim
+        if self.train_dataloader is None:
+            make_optimizer = None
+        self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
+        self.optim_wrapper = None
+        if self.optimizer is not None:
+            self.optim_wrapper = wrap_optimizers(self.optimizer, optim if isinstance(
+                optim, Mapping) else {}, precision, self.device.type)
+
+        self._set_schedule(schedule or {"max_epochs": 10})
+        self.schedulers = self._schedulers(scheduler)
+        checkpoint = dict(checkpoint or {})
+        self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
+                                             max_keep=checkpoint.get("max_keep", 3))
+        self.timer = IterTimerHook()
+        self.hooks = self._hooks(hooks, dict(logging or {}), checkpoint,
+                                 (schedule or {}).get("val_interval", 1))
+        self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
+        self.iter = 0  # finished training iterations
+        self.training = False
+        self.train_loop = TrainLoop(self, self.train_dataloader) if self.train_dataloader else None
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig | Mapping[str, Any]) -> Runner:
+        """Build a runner from a config loaded and validated by `trainrun.runner.config`."""
+        from trainrun.runner.config import strategy_options
+
+        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) \
+            else dict(cfg)
+        data = plain.get("data") or {}
+        return cls(
+            model=plain["model"],
+            work_dir=plain["work_dir"],
+            train_dataloader=data.get("train"),
+            val_dataloader=data.get("val"),
+            test_dataloader=data.get("test"),
+            optim=plain.get("optim"),
+            scheduler=plain.get("scheduler"),
+            strategy={"type": plain["strategy"]["type"], **strategy_options(cfg)},
+            precision=plain.get("precision", "fp32"),
+            schedule=plain.get("schedule"),
+            randomness=plain.get("randomness"),
+            logging=plain.get("logging"),
+            checkpoint=plain.get("checkpoint"),
+            resume=plain.get("resume", False),
+            load_from=plain.get("load_from"),
+            launcher=plain.get("launcher", "none"),
+            backend=plain.get("backend", "auto"),
+            dist_timeout=plain.get("dist_timeout", 1800),
+            cfg=cfg,
+        )
+
+    def _prepare_work_dir(self) -> None:
+        """Rank 0 creates the run directory and writes the resolved config once."""
+        if self.rank == 0:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            config_file = self.work_dir / "config.yaml"
+            if self.cfg is not None and not (self.resume_from and config_file.exists()):
+                text = OmegaConf.to_yaml(self.cfg, resolve=True) if isinstance(
+                    self.cfg, DictConfig) else yaml.safe_dump(dict(self.cfg), sort_keys=False)
+                tmp = config_file.with_name(".tmp-config.yaml")
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, config_file)
+        barrier()
+        setup_logging(self.work_dir / "train.log" if self.rank == 0 else None)
+
+    def _loader(self, loader: Any, train: bool) -> DataLoader | None:
+        if loader is None or isinstance(loader, DataLoader):
+            return loader
+        return build_dataloader(loader, self.seed, train)
+
+    def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
+                 loader: DataLoader | None) -> list[BaseMetric]:
+        if metrics is not None:
+            return list(metrics)
+        if loader is None:
+            return []
+        return build_metrics(section if isinstance(section, Mapping) else None, loader.dataset)
+
+    @staticmethod
+    def _strategy(strategy: str | Mapping[str, Any] | Strategy) -> Strategy:
+        if isinstance(strategy, Strategy):
+            return strategy
+        if isinstance(strategy, str):
+            return build_strategy(strategy)
+        options = dict(strategy)
+        return build_strategy(options.pop("type"), **options)
+
+    def _set_schedule(self, schedule: Mapping[str, Any]) -> None:
+        self.by_epoch = schedule.get("max_iters") is None
+        steps_per_epoch = len(self.train_dataloader) if self.train_dataloader else 0
+        if self.by_epoch:
+            self.max_epochs = schedule.get("max_epochs") or 10
+            self.max_iters = self.max_epochs * steps_per_epoch
+        else:
+            self.max_iters = schedule["max_iters"]
+            self.max_epochs = -(-self.max_iters // steps_per_epoch) if steps_per_epoch else 0
+
+    def _schedulers(self, cfg: Mapping[str, Any] | None) -> list[Any]:
+        if not cfg or self.optimizer is None:
+            return []
+        optimizers = self.optimizer.values() if isinstance(self.optimizer, Mapping) \
+            else [self.optimizer]
+        return [build_scheduler(opt, dict(cfg), self.max_iters) for opt in optimizers]
+
+    def _hooks(self, extra: Sequence[Hook], logging: dict[str, Any],
+               checkpoint: dict[str, Any], val_interval: int) -> list[Hook]:
+        hooks: list[Hook] = [self.timer, LoggerHook(logging.get("interval", 10),
+                                                    logging.get("backends"))]
+        if self.val_dataloader is not None:
+            hooks.append(ValidationHook(val_interval))
+        if self.train_dataloader is not None:
+            hooks.append(CheckpointHook(checkpoint.get("interval", 1),
+                                        checkpoint.get("save_last", True),
+                                        checkpoint.get("save_best"),
+                                        checkpoint.get("best_rule")))
+        hooks.extend(extra)
+        return sorted(hooks, key=lambda hook: hook.priority)
+
+    # ------------------------------------------------------------------ running
+
+    def call_hook(self, name: str, *args: Any) -> None:
+        for hook in self.hooks:
+            getattr(hook, name)(self, *args)
+
+    def train_done(self) -> bool:
+        if self.by_epoch:
+            return self.epoch >= self.max_epochs
+        return self.iter >= self.max_iters
+
+    def train(self) -> nn.Module:
+        """Resume (or load weights) as configured, then train to the end of the schedule."""
+        if self.train_loop is None:
+            raise ValueError("train() needs a training data loader (data.train in the config)")
+        self._resume_or_load()
+        self.training = True
+        self.call_hook("before_run")
+        try:
+            self.train_loop.run()
+        except Exception:
+            self.logger.exception("rank %d: training failed at step %d (epoch %d)", self.rank,
+                                  self.iter + 1, self.epoch + 1)
+            raise
+        finally:
+            self.training = False
+        self.call_hook("after_run")
+        return self.model
+
+    def val(self) -> dict[str, float]:
+        """Validate on the val data; every rank gets the metrics."""
+        if self.val_dataloader is None:
+            raise ValueError("val() needs a validation data loader (data.val in the config)")
+        return EvalLoop(self, self.val_dataloader, self.val_metrics, "val").run()
+
+    def test(self) -> dict[str, float]:
+        """Test on the test data (loading ``load_from`` first when set)."""
+        if self.test_dataloader is None:
+            raise ValueError("test() needs a test data loader (data.test in the config)")
+        if self.load_from and not self.training:
+            self.load_weights(self.load_from)
+        return EvalLoop(self, self.test_dataloader, self.test_metrics, "test").run()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_tag(self) -> str:
+        return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
+
+    def _train_state(self) -> dict[str, Any]:
+        """Everything but model and optimiser that an exact resume needs; rank 0's copy holds
+        every rank's RNG states (this gathers them, so every rank must call it)."""
+        rngs = gather_object(rng_state(), dst=0)
+        sampler = self.train_dataloader.sampler
+        return {
+            "meta": {"epoch": self.epoch, "iter": self.iter, "seed": self.seed,
+                     "world_size": self.world_size, "strategy": self.strategy.name},
+            "sampler": sampler.state_dict() if isinstance(sampler, ResumableSampler) else None,
+            "optim_wrapper": self.optim_wrapper.state_dict(),
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "rng": rngs,
+            "hooks": {type(h).__name__: h.state_dict() for h in self.hooks
+                      if hasattr(h, "state_dict")},
+        }
+
+    def save_checkpoint(self, name: str | None = None, update_last: bool = True) -> Path:
+        """Save a checkpoint on every rank (all must call this); returns its path."""
+        self.checkpoints.clean_partial()
+        return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
+                                     self.optimizer, self._train_state(), update_last)
+
+    def _resume_or_load(self) -> None:
+        path = None
+        if self.resume_from is True:
+            path = self.checkpoints.latest()
+            if path is None:
+                self.logger.info("resume: no checkpoint in %s yet; starting from the beginning",
+                                 self.checkpoints.directory)
+        elif self.resume_from:
+            path = Path(self.resume_from)
+        if path is not None:
+            self.resume(path)
+        elif self.load_from:
+            self.load_weights(self.load_from)
+
+    def resume(self, path: str | os.PathLike) -> None:
+        """Continue exactly where the checkpoint at ``path`` stopped."""
+        state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
+        meta = state["meta"]
+        self.epoch, self.iter, self.seed = meta["epoch"], meta["iter"], meta["seed"]
+        self.optim_wrapper.load_state_dict(state["optim_wrapper"])
+        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
+        sampler = self.train_dataloader.sampler
+        if isinstance(sampler, ResumableSampler) and state.get("sampler"):
+            sampler.load_state_dict(state["sampler"])
+            self.train_loop.resume_mid_epoch = (sampler.epoch == self.epoch
+                                                and sampler.cursor < sampler.dataset_len)
+        for hook in self.hooks:
+            if hasattr(hook, "load_state_dict") and type(hook).__name__ in state["hooks"]:
+                hook.load_state_dict(state["hooks"][type(hook).__name__])
+        rngs = state["rng"]
+        if len(rngs) == self.world_size:
+            set_rng_state(rngs[self.rank])
+        else:
+            self.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
+                                "random streams restart, so losses will not match exactly",
+                                len(rngs), self.world_size)
+        self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
+
+    def load_weights(self, path: str | os.PathLike) -> None:
+        """Load only the model's weights (no optimiser, no position) from ``path``."""
+        state = load_state_file(str(path))
+        self.strategy.load_model_state_dict(self.model, state.get("model", state))
+        self.logger.info("loaded weights from %s", path)
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Drop the model and optimiser, then leave the process group if this runner joined it.
+
+        DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
+        """
+        self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
+        self.strategy.teardown()
+        gc.collect()
+        if self._owns_group and is_distributed():
+            torch_dist.destroy_process_group()

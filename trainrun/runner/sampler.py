@@ -1,0 +1,73 @@
+"""A distributed sampler that can start in the middle of an epoch.
+
+It deals indices to ranks exactly as torch's `DistributedSampler` does (the same
+permutation for the same seed and epoch; rank r takes positions r, r + N, ...), but its
+position is a global sample cursor: resuming skips the consumed indices without loading a
+single batch, and the cursor means the same thing for any number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from trainrun.dist import get_dist_info
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of one rank's share of ``dataset_len`` samples, from ``cursor`` onwards."""
+
+    def __init__(self, dataset_len: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, num_replicas: int | None = None,
+                 rank: int | None = None):
+        default_rank, default_world = get_dist_info()
+        self.dataset_len = dataset_len
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas if num_replicas is not None else default_world
+        self.rank = rank if rank is not None else default_rank
+        self.epoch = 0
+        self.cursor = 0  # samples of this epoch, over all ranks, already consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning."""
+        self.epoch = epoch
+        self.cursor = 0
+
+    def epoch_order(self) -> list[int]:
+        """The whole epoch's order, the same on every rank (torch's DistributedSampler's)."""
+        if not self.shuffle:
+            return list(range(self.dataset_len))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.dataset_len, generator=generator).tolist()
+
+    def _remaining(self) -> int:
+        return max(self.dataset_len - self.cursor, 0)
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self._remaining() // self.num_replicas
+        return math.ceil(self._remaining() / self.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.epoch_order()
+        remaining = order[self.cursor:]
+        total = len(self) * self.num_replicas
+        if total > len(remaining):  # pad by wrapping around, as DistributedSampler does
+            padding = total - len(remaining)
+            remaining += (order * math.ceil(padding / len(order)))[:padding]
+        return iter(remaining[:total][self.rank::self.num_replicas])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self.cursor = state["cursor"]
+        self.seed = state["seed"]

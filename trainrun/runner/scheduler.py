@@ -1,0 +1,275 @@
+"""Learning-rate schedules that step once per iteration.
+
+Every schedule is a `LambdaLR` over a pure function of the iteration, rebuilt from the config
+on resume: the checkpointed state is only the step count and the base learning rates.
+Iteration-based options (``step_size``, ``milestones``, ``warmup_iters``) count iterations
+whatever the training schedule counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+REQUIRED = object()  # an option without a default
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_milestones(value: Any) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(_is_int(v) and v >= 1 for v in value)
+            and all(a < b for a, b in zip(value, value[1:], strict=False)))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One scheduler option: its default (or REQUIRED), what a good value is, and the test."""
+
+    default: Any
+    expected: str
+    test: Callable[[Any], bool]
+
+
+def _nullable(option: Option) -> Option:
+    return Option(None, f"null or {option.expected}", lambda v: v is None or option.test(v))
+
+
+_INT_GE0 = Option(0, "an int >= 0", lambda v: _is_int(v) and v >= 0)
+_FACTOR = Option(0.1, "a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)
+_GAMMA = Option(0.1, "a number > 0", lambda v: _is_number(v) and v > 0)
+_MIN_LR_RATIO = _nullable(_FACTOR)
+_MIN_LR = _nullable(Option(None, "a number >= 0", lambda v: _is_number(v) and v >= 0))
+
+_WARMUP = {"warmup_iters": _INT_GE0, "warmup_start_factor": _FACTOR}
+_DECAY = {"min_lr_ratio": _MIN_LR_RATIO, "min_lr": _MIN_LR, **_WARMUP}
+
+# The options each schedule takes, in the order the validated config lists them.
+SCHEDULER_OPTIONS: dict[str, dict[str, Option]] = {
+    "constant": {**_WARMUP},
+    "step": {
+        "step_size": Option(REQUIRED, "an int >= 1 (iterations)", lambda v: _is_int(v) and v >= 1),
+        "gamma": _GAMMA,
+        **_WARMUP,
+    },
+    "multistep": {
+        "milestones": Option(REQUIRED, "a list of increasing ints >= 1 (iterations)",
+                             _is_milestones),
+        "gamma": _GAMMA,
+        **_WARMUP,
+    },
+    "exponential": {
+        "gamma": Option(REQUIRED, "a number > 0 (the factor per iteration)",
+                        lambda v: _is_number(v) and v > 0),
+        **_WARMUP,
+    },
+    "linear": {**_DECAY},
+    "cosine": {**_DECAY},
+    "poly": {"power": Option(1.0, "a number > 0", lambda v: _is_number(v) and v > 0), **_DECAY},
+    "linear_warmup": {
+        "warmup_iters": Option(REQUIRED, "an int >= 1", lambda v: _is_int(v) and v >= 1),
+        "start_factor": _FACTOR,
+    },
+}
+SCHEDULERS: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)
+DECAYING = ("linear", "cosine", "poly")  # these decay over the total iterations
+
+# linear_warmup's start_factor is the other schedules' warmup_start_factor: take both names
+_SYNONYMS = {"linear_warmup": {"warmup_start_factor": "start_factor"}}
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def _closest(word: str, options: list[str]) -> str | None:
+    found = difflib.get_close_matches(word, options, n=1)
+    return found[0] if found else None
+
+
+def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> dict[str, Any] | None:
+    """The scheduler section with defaults filled; None stays None (a constant rate).
+
+    Raises ValueError with one line naming ``key.option``, the bad value and what was expected.
+    """
+    if cfg is None:
+        return None
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{key}: got {_show(cfg)}, expected null or a mapping with a 'type'")
+    kind = cfg.get("type", REQUIRED)
+    if kind is REQUIRED:
+        raise ValueError(f"{key}.type: missing, expected one of {', '.join(SCHEDULERS)}")
+    if kind not in SCHEDULER_OPTIONS:
+        hint = _closest(str(kind), list(SCHEDULERS))
+        raise ValueError(f"{key}.type: got {_show(kind)}, expected one of {', '.join(SCHEDULERS)}"
+                         + (f"; did you mean {hint!r}?" if hint else ""))
+    options = SCHEDULER_OPTIONS[kind]
+    given = _rename_synonyms(dict(cfg), kind, key)
+    out: dict[str, Any] = {"type": kind}
+    for name in given:
+        if name != "type" and name not in options:
+            hint = _closest(name, list(options))
+            raise ValueError(
+                f"unknown key '{key}.{name}' for scheduler {kind!r}"
+                + (f"; did you mean '{key}.{hint}'?" if hint
+                   else f"; it takes {', '.join(options) or 'no options'}"))
+    for name, option in options.items():
+        value = given.get(name, option.default)
+        if value is REQUIRED:
+            raise ValueError(f"{key}.{name}: missing, expected {option.expected} "
+                             f"(scheduler {kind!r} needs it)")
+        if not option.test(value):
+            raise ValueError(f"{key}.{name}: got {_show(value)}, expected {option.expected}")
+        out[name] = list(value) if isinstance(value, tuple) else value
+    if kind in DECAYING:
+        if out["min_lr"] is not None and out["min_lr_ratio"] is not None:
+            raise ValueError(f"{key}: got both min_lr ({out['min_lr']}) and min_lr_ratio "
+                             f"({out['min_lr_ratio']}), expected at most one")
+        if out["min_lr"] is None and out["min_lr_ratio"] is None:
+            out["min_lr_ratio"] = 0.0
+    return out
+
+
+def _rename_synonyms(given: dict[str, Any], kind: str, key: str) -> dict[str, Any]:
+    for alias, name in _SYNONYMS.get(kind, {}).items():
+        if alias in given:
+            if name in given:
+                raise ValueError(f"{key}: got both {alias} and {name}, expected one "
+                                 f"(they mean the same for {kind!r})")
+            given[name] = given.pop(alias)
+    return given
+
+
+def check_total_iters(cfg: Mapping[str, Any] | None, total_iters: int,
+                      key: str = "scheduler", total_name: str = "the total iterations") -> None:
+    """Raise ValueError when a warmup does not end before ``total_iters``."""
+    if cfg is None:
+        return
+    warmup = cfg.get("warmup_iters", 0)
+    if cfg["type"] in DECAYING and warmup >= total_iters:
+        raise ValueError(f"{key}.warmup_iters: got {warmup}, expected fewer than "
+                         f"{total_name} ({total_iters}) so that the decay has room")
+    if warmup > total_iters:
+        raise ValueError(f"{key}.warmup_iters: got {warmup}, expected at most "
+                         f"{total_name} ({total_iters})")
+
+
+Factor = Callable[[int], float]
+
+
+def _warmup(iters: int, start: float) -> Factor:
+    """From ``start`` at iteration 0 linearly up to 1 at ``iters``, then 1."""
+    def factor(step: int) -> float:
+        return start + (1.0 - start) * step / iters if step < iters else 1.0
+    return factor
+
+
+def _decay(kind: str, power: float, begin: int, end: int, floor: float) -> Factor:
+    """From 1 at ``begin`` down to ``floor`` at ``end`` (cosine, linear or polynomial)."""
+    def factor(step: int) -> float:
+        progress = min(max((step - begin) / (end - begin), 0.0), 1.0)
+        if kind == "cosine":
+            shape = (1.0 + math.cos(math.pi * progress)) / 2.0
+        else:
+            shape = (1.0 - progress) ** power
+        return floor + (1.0 - floor) * shape
+    return factor
+
+
+def _main(cfg: Mapping[str, Any], total_iters: int, floor: float) -> Factor:
+    """The schedule without its warmup, as a factor of the base learning rate."""
+    kind = cfg["type"]
+    if kind == "step":
+        size, gamma = cfg["step_size"], cfg["gamma"]
+        return lambda step: gamma ** (step // size)
+    if kind == "multistep":
+        milestones, gamma = list(cfg["milestones"]), cfg["gamma"]
+        return lambda step: gamma ** bisect.bisect_right(milestones, step)
+    if kind == "exponential":
+        gamma = cfg["gamma"]
+        return lambda step: gamma ** step
+    if kind in DECAYING:
+        power = cfg.get("power", 1.0)
+        return _decay(kind, power, cfg["warmup_iters"], total_iters, floor)
+    return lambda step: 1.0
+
+
+def _combine(warmup: Factor, main: Factor) -> Factor:
+    return lambda step: warmup(step) * main(step)
+
+
+def _floor(cfg: Mapping[str, Any], base_lr: float) -> float:
+    """The decay's end as a factor of ``base_lr`` (min_lr is absolute, min_lr_ratio is not)."""
+    if cfg.get("min_lr") is None:
+        return cfg.get("min_lr_ratio") or 0.0
+    if base_lr <= 0:
+        return 0.0
+    if cfg["min_lr"] > base_lr:
+        raise ValueError(f"scheduler.min_lr: got {cfg['min_lr']}, expected at most the "
+                         f"learning rate ({base_lr})")
+    return cfg["min_lr"] / base_lr
+
+
+def lr_factor(cfg: Mapping[str, Any] | None, total_iters: int, base_lr: float = 1.0) -> Factor:
+    """The factor of ``base_lr`` at each iteration for a checked scheduler config."""
+    if cfg is None:
+        return lambda step: 1.0
+    if cfg["type"] == "linear_warmup":
+        return _warmup(cfg["warmup_iters"], cfg["start_factor"])
+    main = _main(cfg, total_iters, _floor(cfg, base_lr))
+    if cfg.get("warmup_iters", 0) > 0:
+        return _combine(_warmup(cfg["warmup_iters"], cfg["warmup_start_factor"]), main)
+    return main
+
+
+class IterationLR(LambdaLR):
+    """`LambdaLR` whose `load_state_dict` also sets the optimiser's rates for the restored
+    step, so a resumed run has the right rate whether the optimiser's state was loaded before
+    or after the scheduler was built."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        rates = [base * factor(self.last_epoch)
+                 for base, factor in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+        for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        self._last_lr = rates
+
+
+def build_scheduler(optimizer: Optimizer, cfg: Mapping[str, Any] | None,
+                    total_iters: int) -> LRScheduler:
+    """An `IterationLR` (a `LambdaLR`) for ``cfg`` (the ``scheduler`` section; None is a
+    constant rate), to be stepped once per iteration over ``total_iters`` iterations."""
+    if not _is_int(total_iters) or total_iters < 1:
+        raise ValueError(f"total_iters: got {_show(total_iters)}, expected an int >= 1")
+    if cfg is not None and not isinstance(cfg, dict):
+        cfg = _plain(cfg)
+    checked = check_scheduler(cfg)
+    check_total_iters(checked, total_iters)
+    factors = [lr_factor(checked, total_iters, group.get("initial_lr", group["lr"]))
+               for group in optimizer.param_groups]
+    return IterationLR(optimizer, factors)
+
+
+def _plain(cfg: Any) -> Any:
+    """A plain dict from an OmegaConf node (imported only when one is passed)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg

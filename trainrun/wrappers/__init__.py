@@ -1,0 +1,60 @@
+"""Model wrappers: one file per strategy, all behind the `Strategy` interface.
+
+Adding a strategy is one new file with a `Strategy` subclass and one line in `STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from trainrun.wrappers.base import Strategy
+from trainrun.wrappers.base_model import BaseModel, parse_losses
+from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
+from trainrun.wrappers.separate_ddp import MMSeparateDistributedDataParallel, SeparateDDPStrategy
+from trainrun.wrappers.single import SingleDeviceStrategy
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    "none": SingleDeviceStrategy,
+    "ddp": DDPStrategy,
+    "separate_ddp": SeparateDDPStrategy,
+}
+
+
+def build_strategy(name: str, **options: Any) -> Strategy:
+    """The strategy called ``name`` with ``options`` (those it does not take are an error)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
+    return STRATEGIES[name](**options)
+
+
+def is_model_wrapper(model: Any) -> bool:
+    """True for trainrun's wrappers and torch's own DDP and FSDP (both generations)."""
+    if isinstance(model, (DistributedDataParallel, MMSeparateDistributedDataParallel)):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # very old torch
+        return False
+    return isinstance(model, (FullyShardedDataParallel, FSDPModule)) or _is_deepspeed_engine(model)
+
+
+def _is_deepspeed_engine(model: Any) -> bool:
+    """Checked by class name, so that DeepSpeed is never imported just to ask."""
+    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__)
+
+
+__all__ = [
+    "BaseModel",
+    "DDPStrategy",
+    "MMDistributedDataParallel",
+    "MMSeparateDistributedDataParallel",
+    "STRATEGIES",
+    "SeparateDDPStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "build_strategy",
+    "is_model_wrapper",
+    "parse_losses",
+]

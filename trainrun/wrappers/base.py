@@ -1,0 +1,107 @@
+"""The interface every strategy implements, so the runner never cares which one it holds.
+
+A strategy takes the plain model, returns it wrapped for its kind of parallelism with its
+optimiser built over the right parameters, and knows how that pair is checkpointed. Adding a
+strategy is one new file with a subclass of `Strategy` and one line in `STRATEGIES`.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from trainrun.dist import barrier, is_main_process
+
+# What `setup` returns as the optimiser: one, or one per named submodule.
+Optimizers = Optimizer | dict[str, Optimizer]
+MakeOptimizer = Callable[[nn.Module], Optimizers]
+
+
+def optimizer_state(optimizer: Optimizers | None) -> Any:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, Mapping):
+        return {name: opt.state_dict() for name, opt in optimizer.items()}
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
+    if optimizer is None or state is None:
+        return
+    if isinstance(optimizer, Mapping):
+        for name, opt in optimizer.items():
+            opt.load_state_dict(state[name])
+    else:
+        optimizer.load_state_dict(state)
+
+
+class Strategy(ABC):
+    """How a model is wrapped, stepped and checkpointed for one kind of parallelism."""
+
+    name: ClassVar[str]
+    # The options this strategy takes under `strategy:` in the config, with their defaults.
+    OPTIONS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **options: Any):
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"strategy {self.name!r} takes no option {unknown[0]!r}; "
+                f"its options are: {', '.join(sorted(self.OPTIONS)) or 'none'}"
+            )
+        self.options = {**self.OPTIONS, **options}
+
+    @abstractmethod
+    def setup(self, model: nn.Module, device: torch.device,
+              make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
+        """Move ``model`` to ``device``, wrap it, and build its optimiser with ``make_optimizer``
+        over the parameters that will be trained (after wrapping, for strategies that shard)."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's model inside the wrapper."""
+        return getattr(model, "module", model)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state with the unwrapped model's keys."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        self.unwrap(model).load_state_dict(state)
+
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
+                        extra: dict[str, Any]) -> None:
+        """Write model, optimiser and ``extra`` to ``path``; called on every rank.
+
+        This default writes one file from rank 0, which suits strategies whose every rank
+        holds the whole model. Sharded strategies write a directory, every rank its part.
+        """
+        if is_main_process():
+            state = {"model": self.model_state_dict(model),
+                     "optimizer": optimizer_state(optimizer), **extra}
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        barrier()
+
+    def load_checkpoint(self, path: str, model: nn.Module,
+                        optimizer: Optimizers | None) -> dict[str, Any]:
+        """Restore model and optimiser from ``path`` on every rank; returns the extra state."""
+        state = load_state_file(path)
+        self.load_model_state_dict(model, state.pop("model"))
+        load_optimizer_state(optimizer, state.pop("optimizer", None))
+        return state
+
+    def teardown(self) -> None:  # noqa: B027 - optional: most strategies hold nothing
+        """Release what the strategy holds before the process group goes away."""
+
+
+def load_state_file(path: str) -> dict[str, Any]:
+    """A checkpoint file's content, refusing anything but tensors and plain containers."""
+    return torch.load(path, map_location="cpu", weights_only=True)

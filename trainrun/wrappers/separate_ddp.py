@@ -1,0 +1,102 @@
+"""Strategy 'separate_ddp': each trainable submodule in its own DDP, for models with several
+optimisers (GANs), whose own ``train_step`` decides what is stepped when."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainrun.dist import is_distributed
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy
+
+
+class MMSeparateDistributedDataParallel(nn.Module):
+    """Wraps every child of ``module`` that has trainable parameters in its own DDP.
+
+    ``train_step`` is the module's own; the module's children are replaced in place, so its
+    code calling ``self.generator(...)`` goes through DDP. `plain_state_dict` gives the state
+    dict with the keys the unwrapped model has.
+    """
+
+    def __init__(self, module: nn.Module, broadcast_buffers: bool = False,
+                 find_unused_parameters: bool = False, **kwargs: Any):
+        super().__init__()
+        self.module = module
+        for name, child in list(module.named_children()):
+            if any(p.requires_grad for p in child.parameters()):
+                ddp = DistributedDataParallel(child, broadcast_buffers=broadcast_buffers,
+                                              find_unused_parameters=find_unused_parameters,
+                                              **kwargs)
+                module._modules[name] = ddp
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> Any:
+        return self.module.train_step(data, optim_wrapper)
+
+    def val_step(self, data: Any) -> Any:
+        return self.module.val_step(data)
+
+    def test_step(self, data: Any) -> Any:
+        return self.module.test_step(data)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """No gradient sync in any of the wrapped submodules."""
+        with ExitStack() as stack:
+            for child in self.module.children():
+                if isinstance(child, DistributedDataParallel):
+                    stack.enter_context(child.no_sync())
+            yield
+
+    def _wrapped_names(self) -> set[str]:
+        return {name for name, child in self.module.named_children()
+                if isinstance(child, DistributedDataParallel)}
+
+    def plain_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state dict with the plain model's keys ('generator.module.w' -> 'generator.w')."""
+        wrapped = self._wrapped_names()
+        state = {}
+        for key, value in self.module.state_dict().items():
+            head, _, rest = key.partition(".")
+            if head in wrapped and rest.startswith("module."):
+                key = f"{head}.{rest[len('module.'):]}"
+            state[key] = value
+        return state
+
+    def load_plain_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        wrapped = self._wrapped_names()
+        renamed = {}
+        for key, value in state.items():
+            head, _, rest = key.partition(".")
+            renamed[f"{head}.module.{rest}" if head in wrapped else key] = value
+        self.module.load_state_dict(renamed)
+
+
+class SeparateDDPStrategy(Strategy):
+    """One DDP per trainable submodule; the model's own train_step steps its optimisers."""
+
+    name = "separate_ddp"
+    OPTIONS = {"broadcast_buffers": False, "find_unused_parameters": False}
+
+    def setup(self, model: nn.Module, device: torch.device,
+              make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
+        model = model.to(device)
+        optimizer = make_optimizer(model) if make_optimizer is not None else None
+        if is_distributed():
+            model = MMSeparateDistributedDataParallel(model, **self.options)
+        return model, optimizer
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if isinstance(model, MMSeparateDistributedDataParallel):
+            return model.plain_state_dict()
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if isinstance(model, MMSeparateDistributedDataParallel):
+            model.load_plain_state_dict(state)
+        else:
+            model.load_state_dict(state)
