@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainrun.dist as dist
+from tests.runner.toy import CrashAfter, Killed
 from trainrun.runner.runner import Runner
 
 DATASET = "tests.runner.toy.ToyRegression"
@@ -40,26 +41,6 @@ def _records(work_dir) -> list[dict]:
 
 def _train_losses(work_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in _records(work_dir) if "mode" not in r]
-
-
-class _Crash(Exception):
-    pass
-
-
-class CrashAt:
-    """A hook that raises after iteration ``step`` (like a process killed there)."""
-
-    priority = 99
-
-    def __init__(self, step):
-        self.step = step
-
-    def __getattr__(self, name):
-        return lambda *args: None
-
-    def after_train_iter(self, runner, batch_idx, batch, outputs):
-        if runner.iter == self.step:
-            raise _Crash(f"crash after step {self.step}")
 
 
 def _single_run_body(work_dir):
@@ -99,8 +80,8 @@ def test_logged_loss_is_the_mean_over_ranks(run_on, tmp_path):
 def _resume_body(work_dir, crash_step, checkpoint):
     try:
         _runner(work_dir, max_iters=24, checkpoint=checkpoint,
-                hooks=[CrashAt(crash_step)]).train()
-    except _Crash:
+                hooks=[CrashAfter(crash_step)]).train()
+    except Killed:
         pass
     runner = _runner(work_dir, max_iters=24, checkpoint=checkpoint, resume=True)
     runner.train()

@@ -46,3 +46,109 @@ class ToyModel(BaseModel):
         prediction = self.net(batch["inputs"]).squeeze(-1)
         error = (prediction - batch["targets"]) ** 2
         return {"loss": error.mean()} if mode == "loss" else error
+
+
+class UnusedParamModel(ToyModel):
+    """`ToyModel` with a layer its loss never touches (what detect_anomalous_params names)."""
+
+    def __init__(self, features: int = 4, hidden: int = 8):
+        super().__init__(features, hidden, dropout=0.0)
+        self.unused = nn.Linear(features, 2)
+
+
+class TwoNets(BaseModel):
+    """Two trainable submodules with an optimiser each (the shape separate_ddp serves), a
+    frozen one and a buffer. Its own ``train_step`` steps ``a`` then ``b``, counting calls."""
+
+    def __init__(self, features: int = 4):
+        super().__init__()
+        self.a = nn.Linear(features, 1)
+        self.b = nn.Linear(features, 1)
+        self.frozen = nn.Linear(features, 1)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("scale", torch.ones(1))
+        self.train_steps = 0
+
+    def forward(self, batch, mode="loss"):
+        x, y = batch["inputs"], batch["targets"]
+        prediction = (self.a(x) + self.b(x) + self.frozen(x)).squeeze(-1) * self.scale
+        return {"loss": ((prediction - y) ** 2).mean()} if mode == "loss" else prediction
+
+    def loss_a(self, batch):
+        return ((self.a(batch["inputs"]).squeeze(-1) - batch["targets"]) ** 2).mean()
+
+    def loss_b(self, batch):
+        return ((self.b(batch["inputs"]).squeeze(-1) + batch["targets"]) ** 2).mean()
+
+    def train_step(self, data, optim_wrapper):
+        self.train_steps += 1
+        logged = {}
+        for name, loss_of in (("a", self.loss_a), ("b", self.loss_b)):
+            wrapper = optim_wrapper[name]
+            with wrapper.optim_context(getattr(self, name)):
+                loss = loss_of(data)
+            wrapper.update_params(loss)
+            logged[f"loss_{name}"] = loss.detach()
+        logged["loss"] = logged["loss_a"] + logged["loss_b"]
+        return logged
+
+
+class Killed(Exception):
+    """Stands for the process dying at that point."""
+
+
+class CrashAfter:
+    """A hook that kills the run after iteration ``step``."""
+
+    priority = 99
+
+    def __init__(self, step):
+        self.step = step
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        if runner.iter == self.step:
+            raise Killed(f"killed after step {self.step}")
+
+
+def batch_of(rank: int, size: int = 4, features: int = 4) -> dict[str, torch.Tensor]:
+    """A batch that differs by ``rank`` (so unsynchronised gradients differ)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return {"inputs": torch.randn(size, features, generator=generator),
+            "targets": torch.randn(size, generator=generator)}
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def flat_grads(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().reshape(-1).clone() for p in module.parameters()
+                      if p.grad is not None])
+
+
+class Payload:
+    """A pickled object that runs ``os.system`` when unpickled: what a crafted checkpoint
+    carries. A loader that is safe refuses it, and ``marker`` is never created."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def write_crafted_checkpoint(path, marker, raw_pickle: bool = False) -> None:
+    """A checkpoint-looking file (a real model state plus the payload) at ``path``."""
+    import pickle
+
+    state = {"model": ToyModel().state_dict(), "meta": Payload(str(marker))}
+    if raw_pickle:
+        with open(path, "wb") as f:
+            pickle.dump(state, f, protocol=2)
+    else:
+        torch.save(state, path)

@@ -189,6 +189,17 @@ def mpi_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
 _LAUNCHER_ENVS = {"pytorch": pytorch_env, "slurm": slurm_env, "mpi": mpi_env}
 
 
+def launch_env(launcher: str, **kwargs: Any) -> LaunchEnv:
+    """What ``launcher``'s variables say about this process, read without joining anything.
+
+    Raises DistInitError naming a missing or malformed variable and how to start the job.
+    (For a multi-node mpirun job without MASTER_ADDR this asks rank 0's host name over MPI.)
+    """
+    if launcher not in _LAUNCHER_ENVS:
+        raise ValueError(f"launcher must be one of {', '.join(_LAUNCHER_ENVS)}; got {launcher!r}")
+    return _LAUNCHER_ENVS[launcher](**kwargs)
+
+
 def infer_launcher() -> str:
     """The launcher that started this process: 'pytorch', 'slurm', 'mpi' or 'none'."""
     env = os.environ
@@ -280,7 +291,7 @@ def init_dist(
     timeout = to_timedelta(timeout)
     if is_distributed():
         raise DistInitError("the default process group is already initialised in this process")
-    env = _LAUNCHER_ENVS[launcher](**kwargs)
+    env = launch_env(launcher, **kwargs)
     kwargs.pop("port", None)
     _export(env)
     if backend == "nccl":

@@ -79,7 +79,8 @@ class CheckpointManager:
         self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
         barrier()  # every rank's part is on disk
         if is_main_process():
-            _remove(final)
+            if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
+                _remove(final)  # only a file is renamed over a file (atomically)
             os.replace(tmp, final)
             _fsync_dir(self.directory)
             if update_last:
@@ -108,5 +109,6 @@ class CheckpointManager:
             return
         periodic = sorted((int(m.group(2)), entry) for entry in self.directory.iterdir()
                           if (m := _STEP.match(entry.name)))
-        for _, entry in periodic[: max(len(periodic) - self.max_keep, 0)]:
+        keep = max(self.max_keep, 1)  # never the newest, which `last` names
+        for _, entry in periodic[: max(len(periodic) - keep, 0)]:
             _remove(entry)

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trainrun.dist import infer_launcher
-from trainrun.dist.launch import resolve_backend
+from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
 from trainrun.runner.config import LAUNCHERS, ConfigError, dataset_kwargs, load_config
 from trainrun.runner.plan import STARTERS, describe_plan, env_rank
 
@@ -115,6 +115,17 @@ def _check_backend(cfg: DictConfig) -> None:
         raise ConfigError(f"backend: {error}") from None
 
 
+def _check_launcher(cfg: DictConfig) -> None:
+    """A launcher whose variables are missing (``--launcher pytorch`` without torchrun, or a
+    SLURM batch script instead of srun) is a command-line error, caught before anything starts."""
+    if cfg.launcher == "none" or (cfg.launcher == "mpi" and cfg.backend == "mpi"):
+        return  # the MPI backend takes rank and size from MPI itself
+    try:
+        launch_env(cfg.launcher)
+    except DistInitError as error:
+        raise ConfigError(f"launcher: {cfg.launcher!r}: {error}") from None
+
+
 def prepare_train(argv: Sequence[str] | None = None) -> Job:
     """Parse the train command line and load, override and validate the config.
 
@@ -130,6 +141,7 @@ def prepare_train(argv: Sequence[str] | None = None) -> Job:
     warnings: list[str] = []
     cfg = load_config(args.config, args.cfg_options, values=values, on_warning=warnings.append)
     if not args.dry_run:
+        _check_launcher(cfg)
         _check_backend(cfg)
     return Job(cfg, warnings + _launcher_warnings(cfg), dry_run=args.dry_run)
 
@@ -145,6 +157,7 @@ def prepare_test(argv: Sequence[str] | None = None) -> Job:
     warnings: list[str] = []
     cfg = load_config(args.config, args.cfg_options, values=values, mode="test",
                       on_warning=warnings.append)
+    _check_launcher(cfg)
     _check_backend(cfg)
     return Job(cfg, warnings + _launcher_warnings(cfg))
 
@@ -177,15 +190,17 @@ def _report_warnings(job: Job) -> None:
 
 
 def _step(error: BaseException, runner: Any) -> int | None:
-    """The step a failure happened at: the exception's ``step``, else the runner's ``iter``."""
-    for step in (getattr(error, "step", None), getattr(runner, "iter", None)):
+    """The step a failure happened at: the exception's ``step``, else the training step the
+    runner was in when it failed."""
+    for step in (getattr(error, "step", None), getattr(runner, "failed_at_step", None)):
         if isinstance(step, int) and not isinstance(step, bool):
             return step
     return None
 
 
 def _report_failure(error: BaseException, cfg: DictConfig, runner: Any) -> int:
-    traceback.print_exception(error, file=sys.stderr)
+    if getattr(runner, "failed_at_step", None) is None:  # else the runner logged it already
+        traceback.print_exception(error, file=sys.stderr)
     step = _step(error, runner)
     where = f"rank {_rank(cfg)}" + (f", step {step}" if step is not None else "")
     first_line = (str(error).strip().splitlines() or [""])[0]

@@ -15,6 +15,10 @@ import torch
 from trainrun.dist import broadcast_object_list, collect_results, is_main_process
 
 
+class MetricError(RuntimeError):
+    """A metric's computation failed on rank 0; every rank raises it."""
+
+
 class BaseMetric(ABC):
     """Collects per-sample results with ``process``; ``compute`` turns all of them into numbers."""
 
@@ -34,9 +38,17 @@ class BaseMetric(ABC):
         """Gather every rank's results (``size`` samples in all) and compute on rank 0; the
         values reach every rank."""
         everything = collect_results(self.results, size, device=self.collect_device)
-        values = [self.compute(everything) if is_main_process() else None]
-        broadcast_object_list(values)
         self.results = []
+        values: list[Any] = [None]
+        if is_main_process():
+            try:
+                values = [self.compute(everything)]
+            except Exception as error:  # sent on, so no rank waits in the broadcast for it
+                values = [MetricError(f"{type(self).__name__}.compute failed on rank 0: "
+                                      f"{type(error).__name__}: {error}")]
+        broadcast_object_list(values)
+        if isinstance(values[0], MetricError):
+            raise values[0]
         return values[0]
 
 

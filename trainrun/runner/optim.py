@@ -47,11 +47,26 @@ class OptimWrapper:
         self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
         self.micro_steps = 0  # taken since the last optimiser step
         self.grad_norm: Tensor | None = None
+        self.iters = 0  # micro-steps taken in all, once `set_total` has been called
+        self.max_iters: int | None = None
+
+    def set_total(self, done_iters: int, max_iters: int) -> None:
+        """Where training stands and where it ends, so that the last ``max_iters % accumulate``
+        micro-steps form a group of their own (their loss divided by their number, then a
+        step) instead of being left unapplied."""
+        self.iters, self.max_iters = done_iters, max_iters
+
+    def group_size(self) -> int:
+        """Micro-steps in the current accumulation group."""
+        if self.max_iters is None:
+            return self.accumulate
+        tail_start = self.max_iters - self.max_iters % self.accumulate
+        return self.accumulate if self.iters < tail_start else self.max_iters - tail_start
 
     @property
     def will_step(self) -> bool:
         """Whether the current micro-step ends with an optimiser step (and gradient sync)."""
-        return self.micro_steps + 1 >= self.accumulate
+        return self.micro_steps + 1 >= self.group_size()
 
     @contextmanager
     def optim_context(self, model: nn.Module) -> Iterator[None]:
@@ -65,11 +80,13 @@ class OptimWrapper:
 
     def update_params(self, loss: Tensor) -> None:
         """Backward ``loss``; step and zero the gradients once ``accumulate`` micro-steps are in."""
-        if self.accumulate > 1:
-            loss = loss / self.accumulate
+        group = self.group_size()
+        if group > 1:
+            loss = loss / group
         self.backward(loss)
         self.micro_steps += 1
-        if self.micro_steps >= self.accumulate:
+        self.iters += 1
+        if self.micro_steps >= group:
             self.step()
             self.zero_grad()
             self.micro_steps = 0
@@ -96,15 +113,31 @@ class OptimWrapper:
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def state_dict(self) -> dict[str, Any]:
-        """What the wrapper adds to the optimiser's own state (saved by the strategy)."""
+        """What the wrapper adds to the optimiser's own state (saved by the strategy).
+
+        Between optimiser steps it holds this rank's accumulated gradients too (copied to the
+        CPU, as they travel to rank 0), without which a run resumed there would step on fewer
+        micro-batches than one that never stopped.
+        """
+        grads = None
+        if self.micro_steps:
+            grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+                     for p in self._params()]
         return {"micro_steps": self.micro_steps,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "grads": grads}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_steps = state["micro_steps"]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if state.get("grads") is not None:
+            for p, grad in zip(self._params(), state["grads"], strict=True):
+                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
 
 class OptimWrapperDict(dict):
@@ -115,6 +148,10 @@ class OptimWrapperDict(dict):
 
     def get_lr(self) -> float:
         return next(iter(self.values())).get_lr()
+
+    def set_total(self, done_iters: int, max_iters: int) -> None:
+        for wrapper in self.values():
+            wrapper.set_total(done_iters, max_iters)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: wrapper.state_dict() for name, wrapper in self.items()}

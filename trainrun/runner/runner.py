@@ -118,6 +118,7 @@ class Runner:
         self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
         self.iter = 0  # finished training iterations
         self.training = False
+        self.failed_at_step: int | None = None  # the step training was in when it raised
         self.train_loop = TrainLoop(self, self.train_dataloader) if self.train_dataloader else None
 
     # ------------------------------------------------------------------ building
@@ -235,11 +236,13 @@ class Runner:
         if self.train_loop is None:
             raise ValueError("train() needs a training data loader (data.train in the config)")
         self._resume_or_load()
+        self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
         try:
             self.train_loop.run()
         except Exception:
+            self.failed_at_step = self.iter + 1
             self.logger.exception("rank %d: training failed at step %d (epoch %d)", self.rank,
                                   self.iter + 1, self.epoch + 1)
             raise
@@ -269,14 +272,16 @@ class Runner:
 
     def _train_state(self) -> dict[str, Any]:
         """Everything but model and optimiser that an exact resume needs; rank 0's copy holds
-        every rank's RNG states (this gathers them, so every rank must call it)."""
+        every rank's RNG states and optimiser-wrapper states (the latter carry each rank's own
+        accumulated gradients between steps); this gathers them, so every rank must call it."""
         rngs = gather_object(rng_state(), dst=0)
+        wrapper_states = gather_object(self.optim_wrapper.state_dict(), dst=0)
         sampler = self.train_dataloader.sampler
         return {
             "meta": {"epoch": self.epoch, "iter": self.iter, "seed": self.seed,
                      "world_size": self.world_size, "strategy": self.strategy.name},
             "sampler": sampler.state_dict() if isinstance(sampler, ResumableSampler) else None,
-            "optim_wrapper": self.optim_wrapper.state_dict(),
+            "optim_wrapper": wrapper_states,
             "schedulers": [s.state_dict() for s in self.schedulers],
             "rng": rngs,
             "hooks": {type(h).__name__: h.state_dict() for h in self.hooks
@@ -308,14 +313,19 @@ class Runner:
         state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
         meta = state["meta"]
         self.epoch, self.iter, self.seed = meta["epoch"], meta["iter"], meta["seed"]
-        self.optim_wrapper.load_state_dict(state["optim_wrapper"])
+        wrapper_states = state["optim_wrapper"]
+        if isinstance(wrapper_states, Mapping):  # one state for every rank
+            wrapper_states = [wrapper_states]
+        self.optim_wrapper.load_state_dict(wrapper_states[self.rank] if len(wrapper_states)
+                                           == self.world_size else wrapper_states[0])
         for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
             scheduler.load_state_dict(saved)
         sampler = self.train_dataloader.sampler
         if isinstance(sampler, ResumableSampler) and state.get("sampler"):
             sampler.load_state_dict(state["sampler"])
-            self.train_loop.resume_mid_epoch = (sampler.epoch == self.epoch
-                                                and sampler.cursor < sampler.dataset_len)
+            # the epoch being trained goes on from the cursor, even one at the epoch's end (a
+            # checkpoint after its last step): that epoch is then finished, not started again
+            self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
         for hook in self.hooks:
             if hasattr(hook, "load_state_dict") and type(hook).__name__ in state["hooks"]:
                 hook.load_state_dict(state["hooks"][type(hook).__name__])

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +38,31 @@ def parameters_without_grad_path(loss: Tensor, module: nn.Module) -> list[str]:
             if p.requires_grad and id(p) not in reached]
 
 
+_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
+    DistributedDataParallel.__init__).parameters
+
+
+def ddp_options(options: dict[str, Any]) -> dict[str, Any]:
+    """DDP's keyword arguments with ``broadcast_buffers`` as this torch spells it.
+
+    torch 2.13 deprecates ``broadcast_buffers`` (warning on every wrap): True becomes
+    ``forward_sync_buffers=True``; False stays, as torch itself advises until it offers a way
+    to skip the buffer sync at construction (`quiet_buffer_warning` silences that case).
+    """
+    if _HAS_FORWARD_SYNC and options.get("broadcast_buffers") is True:
+        options = {k: v for k, v in options.items() if k != "broadcast_buffers"}
+        options["forward_sync_buffers"] = True
+    return options
+
+
+@contextmanager
+def quiet_buffer_warning() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
 class MMDistributedDataParallel(DistributedDataParallel):
     """torch's DDP with ``train_step``/``val_step``/``test_step``.
 
@@ -44,7 +73,8 @@ class MMDistributedDataParallel(DistributedDataParallel):
 
     def __init__(self, module: nn.Module, detect_anomalous_params: bool = False,
                  **ddp_kwargs: Any):
-        super().__init__(module, **ddp_kwargs)
+        with quiet_buffer_warning():
+            super().__init__(module, **ddp_options(ddp_kwargs))
         self.detect_anomalous_params = detect_anomalous_params
 
     def _check_loss(self, loss: Tensor) -> None:

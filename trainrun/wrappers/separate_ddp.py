@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainrun.dist import is_distributed
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy
+from trainrun.wrappers.ddp import ddp_options, quiet_buffer_warning
 
 
 class MMSeparateDistributedDataParallel(nn.Module):
@@ -29,9 +30,11 @@ class MMSeparateDistributedDataParallel(nn.Module):
         self.module = module
         for name, child in list(module.named_children()):
             if any(p.requires_grad for p in child.parameters()):
-                ddp = DistributedDataParallel(child, broadcast_buffers=broadcast_buffers,
-                                              find_unused_parameters=find_unused_parameters,
-                                              **kwargs)
+                options = ddp_options({"broadcast_buffers": broadcast_buffers,
+                                       "find_unused_parameters": find_unused_parameters,
+                                       **kwargs})
+                with quiet_buffer_warning():
+                    ddp = DistributedDataParallel(child, **options)
                 module._modules[name] = ddp
 
     def train_step(self, data: Any, optim_wrapper: Any) -> Any:

@@ -1,0 +1,307 @@
+"""CheckpointManager: temporary names, `last` written last, pruning, and crashes during a
+save that leave the previous checkpoint in charge (and a later resume using it); crafted
+checkpoint files refused by every loading path of the runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainrun.dist as dist
+from tests.runner.toy import CrashAfter, Killed, ToyModel, write_crafted_checkpoint
+from trainrun.runner import checkpoint as checkpoint_module
+from trainrun.runner.checkpoint import CheckpointManager
+from trainrun.runner.runner import Runner
+from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
+from trainrun.wrappers.base import load_state_file
+
+CPU = torch.device("cpu")
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def last_names(directory: Path) -> str:
+    return (directory / "last").read_text().strip()
+
+
+def _manager(tmp_path, max_keep=3, strategy=None):
+    strategy = strategy or SingleDeviceStrategy()
+    model, optimizer = strategy.setup(ToyModel(), CPU,
+                                      lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    return CheckpointManager(tmp_path / "checkpoints", strategy, max_keep), model, optimizer
+
+
+# ---------------------------------------------------------------- publishing and pruning
+
+
+def test_save_writes_under_a_temporary_name_then_publishes(tmp_path, monkeypatch):
+    manager, model, optimizer = _manager(tmp_path)
+    written, renamed = [], []
+    strategy_save = manager.strategy.save_checkpoint
+
+    def spy_save(path, *args):
+        written.append(Path(path).name)
+        assert not (manager.directory / "iter_1.pth").exists()  # invisible while written
+        strategy_save(path, *args)
+
+    real_replace = os.replace
+
+    def spy_replace(src, dst):
+        renamed.append((Path(src).name, Path(dst).name))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(manager.strategy, "save_checkpoint", spy_save)
+    monkeypatch.setattr(checkpoint_module.os, "replace", spy_replace)
+    path = manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
+    assert path == manager.directory / "iter_1.pth"
+    assert written == [".tmp-iter_1.pth"]
+    assert renamed == [(".tmp-iter_1.pth", "iter_1.pth"), (".tmp-last", "last")]  # last, last
+    assert listing(manager.directory) == ["iter_1.pth", "last"]
+    assert last_names(manager.directory) == "iter_1.pth"
+    assert load_state_file(str(path))["meta"] == {"iter": 1}
+    assert manager.latest() == path
+
+
+def test_max_keep_prunes_the_oldest_by_step_number(tmp_path):
+    manager, model, optimizer = _manager(tmp_path, max_keep=2)
+    for epoch in (8, 9, 10, 11):
+        manager.save(f"epoch_{epoch}", model, optimizer, {})
+    assert listing(manager.directory) == ["epoch_10.pth", "epoch_11.pth", "last"]  # not 8, 9
+    assert last_names(manager.directory) == "epoch_11.pth"
+
+
+def test_best_checkpoints_are_not_pruned_and_do_not_move_last(tmp_path):
+    manager, model, optimizer = _manager(tmp_path, max_keep=1)
+    manager.save("iter_1", model, optimizer, {})
+    best = manager.save("best_mse_iter_1", model, optimizer, {}, update_last=False)
+    assert last_names(manager.directory) == "iter_1.pth"
+    manager.save("iter_2", model, optimizer, {})
+    manager.save("iter_3", model, optimizer, {})
+    assert listing(manager.directory) == ["best_mse_iter_1.pth", "iter_3.pth", "last"]
+    manager.remove(best)
+    assert listing(manager.directory) == ["iter_3.pth", "last"]
+
+
+@pytest.mark.parametrize(("max_keep", "kept"), [(-1, ["iter_1.pth", "iter_2.pth", "iter_3.pth"]),
+                                                (0, ["iter_3.pth"])])
+def test_keep_all_and_never_prune_the_newest(tmp_path, max_keep, kept):
+    manager, model, optimizer = _manager(tmp_path, max_keep=max_keep)
+    for step in (1, 2, 3):
+        manager.save(f"iter_{step}", model, optimizer, {})
+    assert listing(manager.directory) == [*kept, "last"]
+    assert manager.latest() == manager.directory / "iter_3.pth"
+
+
+def test_latest_is_none_until_a_checkpoint_is_published(tmp_path):
+    manager, model, optimizer = _manager(tmp_path)
+    assert manager.latest() is None
+    manager.directory.mkdir(parents=True)
+    (manager.directory / "last").write_text("iter_9.pth\n")  # names what is not there
+    assert manager.latest() is None
+
+
+# ---------------------------------------------------------------- crashes
+
+
+def partial_torch_save(obj, f, *args, **kwargs):
+    """Writes the first bytes of a checkpoint, then 'dies'."""
+    f.write(b"PK\x03\x04 half a checkpoint")
+    f.flush()
+    raise Killed("killed while writing")
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_in_charge(tmp_path, monkeypatch):
+    manager, model, optimizer = _manager(tmp_path)
+    first = manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
+    monkeypatch.setattr(torch, "save", partial_torch_save)
+    with pytest.raises(Killed):
+        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
+    monkeypatch.undo()
+    assert listing(manager.directory) == [".tmp-iter_2.pth", "iter_1.pth", "last"]
+    assert last_names(manager.directory) == "iter_1.pth"
+    assert manager.latest() == first
+    assert load_state_file(str(first))["meta"] == {"iter": 1}
+    manager.clean_partial()
+    assert listing(manager.directory) == ["iter_1.pth", "last"]
+    manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
+    assert last_names(manager.directory) == "iter_2.pth"
+
+
+def test_a_crash_while_publishing_a_resave_keeps_the_old_file(tmp_path, monkeypatch):
+    """Saving a name that exists (a finished run resumed and saved again) replaces it in one
+    atomic rename: no moment where ``last`` names a file that is gone."""
+    manager, model, optimizer = _manager(tmp_path)
+    manager.save("iter_4", model, optimizer, {"meta": {"iter": 4, "copy": 1}})
+
+    def killed_replace(src, dst):
+        raise Killed("killed while renaming")
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", killed_replace)
+    with pytest.raises(Killed):
+        manager.save("iter_4", model, optimizer, {"meta": {"iter": 4, "copy": 2}})
+    monkeypatch.undo()
+    latest = manager.latest()
+    assert latest == manager.directory / "iter_4.pth"
+    assert load_state_file(str(latest))["meta"] == {"iter": 4, "copy": 1}
+
+
+# ---------------------------------------------------------------- crash, then resume
+
+
+def _runner(work_dir, *, strategy="ddp", resume=False, load_from=None, accumulate=1,
+            interval=2, max_iters=6, hooks=()):
+    return Runner(
+        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
+        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 24,
+                          "batch_size": 4},
+        optim={"type": "SGD", "lr": 0.01, "momentum": 0.9, "accumulate": accumulate},
+        strategy=strategy, schedule={"max_iters": max_iters}, randomness={"seed": 3},
+        logging={"interval": 1, "backends": ["jsonl"]},
+        checkpoint={"interval": interval, "max_keep": 5}, resume=resume, load_from=load_from,
+        hooks=hooks,
+    )
+
+
+class CrashingSave(DDPStrategy):
+    """DDP whose ``crash_at``-th checkpoint save dies mid-write on every rank (rank 0 leaves
+    half a file, as a killed job does)."""
+
+    def __init__(self, crash_at, **options):
+        super().__init__(**options)
+        self.crash_at = crash_at
+        self.saves = 0
+
+    def save_checkpoint(self, path, model, optimizer, extra):
+        self.saves += 1
+        if self.saves == self.crash_at:
+            if dist.is_main_process():
+                with open(path, "wb") as f:
+                    f.write(b"PK\x03\x04 half")
+            raise Killed(f"killed during save {self.saves}")
+        super().save_checkpoint(path, model, optimizer, extra)
+
+
+def _train_losses(work_dir) -> list[tuple[int, float]]:
+    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "mode" not in r]
+
+
+def _crash_then_resume_body(straight_dir, work_dir):
+    runner = _runner(straight_dir)
+    runner.train()
+    runner.close()
+
+    runner = _runner(work_dir, strategy=CrashingSave(crash_at=2))
+    with pytest.raises(Killed):
+        runner.train()  # saved iter_2, died writing iter_4
+    runner.close()
+    checkpoints = Path(work_dir) / "checkpoints"
+    after_crash = listing(checkpoints) if dist.is_main_process() else None
+
+    runner = _runner(work_dir, resume=True)
+    runner.train()
+    resumed_from = runner.iter
+    runner.close()
+    return after_crash, resumed_from
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_after_a_crash_during_a_save_uses_the_previous_checkpoint(run_on, tmp_path,
+                                                                         world_size):
+    straight, work_dir = tmp_path / "straight", tmp_path / "crashed"
+    results = run_on(world_size)(_crash_then_resume_body, str(straight), str(work_dir))
+    assert results[0][0] == [".tmp-iter_4.pth", "iter_2.pth", "last"]
+    assert [r[1] for r in results] == [6] * world_size
+    logged = _train_losses(work_dir)
+    # first run: steps 1..4 (it died saving after step 4); resumed: steps 3..6 from iter_2
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert logged[4:] == _train_losses(straight)[2:]  # the very losses of an unbroken run
+    checkpoints = work_dir / "checkpoints"
+    assert listing(checkpoints) == ["iter_2.pth", "iter_4.pth", "iter_6.pth", "last"]
+    assert last_names(checkpoints) == "iter_6.pth"
+
+
+def _crash_resume_body(straight_dir, work_dir, crash_after, options):
+    runner = _runner(straight_dir, **options)
+    runner.train()
+    runner.close()
+    runner = _runner(work_dir, hooks=[CrashAfter(crash_after)], **options)
+    with pytest.raises(Killed):
+        runner.train()
+    runner.close()
+    runner = _runner(work_dir, resume=True, **options)
+    runner.train()
+    runner.close()
+
+
+def check_resumed(run_on_ranks, tmp_path, interval, crash_after, max_iters, **options):
+    """Train straight; train again, crash after ``crash_after`` and resume from the checkpoint
+    at ``interval``: the resumed steps log the straight run's losses."""
+    straight, work_dir = tmp_path / "straight", tmp_path / "resumed"
+    options = {"interval": interval, "max_iters": max_iters, **options}
+    run_on_ranks(_crash_resume_body, str(straight), str(work_dir), crash_after, options)
+    logged = _train_losses(work_dir)
+    steps = list(range(1, crash_after + 1)) + list(range(interval + 1, max_iters + 1))
+    assert [step for step, _ in logged] == steps
+    assert logged[crash_after:] == _train_losses(straight)[interval:]  # bit for bit
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_between_accumulated_steps_is_exact(run_on, tmp_path, world_size):
+    """Accumulating over 2 iterations, checkpointing every 5: iter_5 lies between two
+    optimiser steps, holding each rank's own (unsynchronised) gradients of step 5."""
+    check_resumed(run_on(world_size), tmp_path, interval=5, crash_after=6, max_iters=8,
+                  accumulate=2)
+
+
+@pytest.mark.parametrize(("world_size", "interval"), [(1, 6), (2, 3)])
+def test_resume_from_the_last_step_of_an_epoch_is_exact(run_on, tmp_path, world_size,
+                                                        interval):
+    """24 samples in batches of 4: an epoch is 6 steps on 1 rank, 3 on 2. A checkpoint at an
+    epoch's last step goes on with the next epoch, not the same one again."""
+    check_resumed(run_on(world_size), tmp_path, interval=interval, crash_after=interval + 1,
+                  max_iters=2 * interval + 1)
+
+
+# ---------------------------------------------------------------- crafted pickles
+
+
+def test_crafted_checkpoints_are_refused_by_every_runner_path(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pth"
+    write_crafted_checkpoint(evil, marker)
+
+    runner = _runner(tmp_path / "explicit", resume=str(evil))
+    with pytest.raises(pickle.UnpicklingError):
+        runner.train()
+    with pytest.raises(pickle.UnpicklingError):
+        runner.resume(evil)
+    with pytest.raises(pickle.UnpicklingError):
+        runner.load_weights(evil)
+    runner.close()
+    assert not marker.exists()
+
+    runner = _runner(tmp_path / "load_from", load_from=str(evil))
+    with pytest.raises(pickle.UnpicklingError):
+        runner.train()
+    runner.close()
+    assert not marker.exists()
+
+    # resume=True finds it through checkpoints/last
+    checkpoints = tmp_path / "latest" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    write_crafted_checkpoint(checkpoints / "iter_2.pth", marker, raw_pickle=True)
+    (checkpoints / "last").write_text("iter_2.pth\n")
+    runner = _runner(tmp_path / "latest", resume=True)
+    with pytest.raises(pickle.UnpicklingError):
+        runner.train()
+    runner.close()
+    assert not marker.exists()
+    assert not (tmp_path / "explicit" / "metrics.jsonl").exists()  # nothing trained

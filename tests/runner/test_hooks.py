@@ -1,0 +1,262 @@
+"""Hooks: when the checkpoint hook saves (interval, save_last, save_best), what the logger
+hook writes (rank 0 only, the loss averaged over ranks), and when validation runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import trainrun.dist as dist
+from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
+from trainrun.runner.logging import MetricsFile
+from trainrun.runner.runner import Runner
+
+
+class FakeRunner:
+    """What the hooks read of a runner, recording the saves and validations they ask for."""
+
+    def __init__(self, by_epoch=True, max_epochs=5, iters_per_epoch=4, training=True):
+        self.by_epoch = by_epoch
+        self.max_epochs = max_epochs
+        self.max_iters = max_epochs * iters_per_epoch
+        self.epoch = self.iter = 0
+        self.training = training
+        self.saved: list[tuple[str, bool]] = []
+        self.removed: list[Path] = []
+        self.validated: list[int] = []
+        self.checkpoints = SimpleNamespace(remove=self.removed.append)
+
+    def checkpoint_tag(self):
+        return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
+
+    def save_checkpoint(self, name=None, update_last=True):
+        name = name or self.checkpoint_tag()
+        self.saved.append((name, update_last))
+        return Path("/ckpt") / f"{name}.pth"
+
+    def val(self):
+        self.validated.append(self.epoch if self.by_epoch else self.iter)
+
+
+def run_schedule(runner, *hooks):
+    """Call the hooks as the train loop does, to the end of ``runner``'s schedule."""
+    for hook in hooks:
+        hook.before_train(runner)
+    while (runner.epoch < runner.max_epochs) if runner.by_epoch \
+            else (runner.iter < runner.max_iters):
+        for batch_idx in range(runner.max_iters // runner.max_epochs):
+            runner.iter += 1
+            for hook in hooks:
+                hook.after_train_iter(runner, batch_idx, None, {})
+            if not runner.by_epoch and runner.iter >= runner.max_iters:
+                break
+        else:
+            runner.epoch += 1
+            for hook in hooks:
+                hook.after_train_epoch(runner)
+    for hook in hooks:
+        hook.after_train(runner)
+
+
+# ---------------------------------------------------------------- checkpoint hook
+
+
+@pytest.mark.parametrize(("interval", "save_last", "max_epochs", "expected"), [
+    (2, True, 5, ["epoch_2", "epoch_4", "epoch_5"]),
+    (2, True, 4, ["epoch_2", "epoch_4"]),  # the last is not saved twice
+    (2, False, 5, ["epoch_2", "epoch_4"]),
+    (0, True, 3, ["epoch_3"]),
+])
+def test_checkpoint_interval_by_epoch(interval, save_last, max_epochs, expected):
+    runner = FakeRunner(by_epoch=True, max_epochs=max_epochs)
+    run_schedule(runner, CheckpointHook(interval, save_last))
+    assert runner.saved == [(name, True) for name in expected]
+
+
+@pytest.mark.parametrize(("interval", "save_last", "expected"), [
+    (3, True, ["iter_3", "iter_6", "iter_7"]),
+    (3, False, ["iter_3", "iter_6"]),
+    (7, True, ["iter_7"]),
+])
+def test_checkpoint_interval_by_iteration(interval, save_last, expected):
+    runner = FakeRunner(by_epoch=False, max_epochs=2)
+    runner.max_iters = 7  # stops inside the second epoch
+    run_schedule(runner, CheckpointHook(interval, save_last))
+    assert runner.saved == [(name, True) for name in expected]
+
+
+@pytest.mark.parametrize(("metric", "rule", "values", "kept"), [
+    ("mse", "less", [0.5, 0.3, 0.4, 0.2], [0, 1, 3]),
+    ("mse", "greater", [0.5, 0.3, 0.6, 0.2], [0, 2]),
+    ("val_loss", None, [0.5, 0.3, 0.4, 0.2], [0, 1, 3]),  # a loss: lower is better
+    ("accuracy", None, [0.5, 0.3, 0.6, 0.2], [0, 2]),  # anything else: higher
+    ("mse", "less", [math.nan, 0.4, math.nan, 0.5], [1]),  # nan never improves
+])
+def test_save_best_keeps_only_the_best(metric, rule, values, kept):
+    runner = FakeRunner(by_epoch=False)
+    hook = CheckpointHook(interval=0, save_last=False, save_best=metric, best_rule=rule)
+    for step, value in enumerate(values, start=1):
+        runner.iter = step
+        hook.after_val(runner, {metric: value, "other": 1.0})
+    names = [f"best_{metric}_iter_{k + 1}" for k in kept]
+    assert runner.saved == [(name, False) for name in names]  # `last` never moves to a best
+    assert runner.removed == [Path("/ckpt") / f"{name}.pth" for name in names[:-1]]
+    assert hook.state_dict() == {"best_value": values[kept[-1]],
+                                 "best_path": f"/ckpt/{names[-1]}.pth"}
+    fresh = CheckpointHook(save_best=metric, best_rule=rule)
+    fresh.load_state_dict(hook.state_dict())
+    runner.iter = 99
+    fresh.after_val(runner, {metric: values[kept[-1]]})  # a tie is no improvement
+    assert len(runner.saved) == len(names)
+
+
+def test_save_best_outside_training_or_on_a_missing_metric_saves_nothing(caplog):
+    runner = FakeRunner(training=False)
+    hook = CheckpointHook(save_best="mse")
+    hook.after_val(runner, {"mse": 0.1})
+    assert runner.saved == []
+    runner.training = True
+    hook = CheckpointHook(save_best="mAP")
+    logger = logging.getLogger("trainrun")
+    logger.addHandler(caplog.handler)
+    try:
+        hook.after_val(runner, {"mse": 0.1})
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "checkpoint.save_best='mAP' is not among the validation metrics ['mse']" in caplog.text
+    assert hook.save_best is None and runner.saved == []
+
+
+def _save_best_runner(work_dir, rule):
+    return Runner(
+        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
+        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32, "batch_size": 8},
+        val_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 21, "seed": 1,
+                        "batch_size": 8},
+        optim={"type": "SGD", "lr": 0.05}, strategy="none", schedule={"max_epochs": 4},
+        logging={"interval": 4, "backends": ["jsonl"]},
+        checkpoint={"interval": 0, "max_keep": 1, "save_best": "mse", "best_rule": rule},
+    )
+
+
+@pytest.mark.parametrize("rule", ["less", "greater"])
+def test_save_best_in_a_run(tmp_path, rule):
+    runner = _save_best_runner(tmp_path, rule)
+    runner.train()
+    runner.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"] // 4, r["mse"]) for r in records if r.get("mode") == "val"]
+    assert [epoch for epoch, _ in val] == [1, 2, 3, 4]
+    pick = min if rule == "less" else max
+    best_epoch = pick(val, key=lambda item: item[1])[0]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == sorted(
+        [f"best_mse_epoch_{best_epoch}.pth", "epoch_4.pth", "last"])
+    assert (checkpoints / "last").read_text().strip() == "epoch_4.pth"
+
+
+# ---------------------------------------------------------------- logger hook
+
+
+def _logger_body(base):
+    rank = dist.get_rank()
+    work_dir = Path(base) / f"rank{rank}"
+    work_dir.mkdir()
+    runner = SimpleNamespace(iter=0, epoch=0, max_iters=5, max_epochs=1, by_epoch=False,
+                             work_dir=work_dir,
+                             metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
+                             optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
+                             timer=IterTimerHook())
+    hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False)
+    hook.before_train(runner)
+    for step in range(1, 6):
+        runner.iter = step
+        outputs = {"loss": torch.tensor(0.1 * step + rank), "loss_x": torch.tensor(rank * 3.0)}
+        hook.after_train_iter(runner, step - 1, None, outputs)
+    hook.after_val(runner, {"mse": 0.25, "accuracy": 0.5})
+    hook.after_train(runner)
+    return rank
+
+
+def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
+    run_on(2)(_logger_body, str(tmp_path))
+    assert not (tmp_path / "rank1" / "metrics.jsonl").exists()
+    lines = (tmp_path / "rank0" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    train = [r for r in records if "mode" not in r]
+    assert [r["step"] for r in train] == [2, 4, 5]  # every 2 steps and the last
+    for record in train:
+        step = record["step"]
+        mean = ((torch.tensor(0.1 * step) + torch.tensor(0.1 * step + 1)) / 2).item()
+        assert record["loss"] == mean  # the float32 mean, to the last bit
+        assert record["loss_x"] == 1.5 and record["lr"] == 0.125 and record["epoch"] == 1
+        assert {"time", "data_time"} <= set(record)
+    assert records[-1] == {"step": 5, "mode": "val", "mse": 0.25, "accuracy": 0.5}
+
+
+class LossSpy(Hook):
+    priority = 5
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        self.losses.append(outputs["loss"].item())
+
+
+def _run_logging_body(work_dir):
+    spy = LossSpy()
+    runner = Runner(
+        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
+        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32, "batch_size": 4},
+        optim={"type": "SGD", "lr": 0.01}, strategy="ddp", schedule={"max_iters": 3},
+        randomness={"seed": 1, "diff_rank_seed": True},
+        logging={"interval": 1, "backends": ["jsonl"]}, checkpoint={"interval": 0},
+        hooks=[spy],
+    )
+    runner.train()
+    runner.close()
+    return spy.losses
+
+
+def test_a_run_logs_the_loss_averaged_over_ranks(run_on, tmp_path):
+    own0, own1 = run_on(2)(_run_logging_body, str(tmp_path))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["loss"] for line in lines if '"mode"' not in line]
+    assert len(logged) == 3 and own0 != own1
+    expected = [((torch.tensor(a) + torch.tensor(b)) / 2).item()
+                for a, b in zip(own0, own1, strict=True)]
+    assert logged == expected
+
+
+# ---------------------------------------------------------------- validation and timing
+
+
+def test_validation_runs_on_the_interval_and_at_the_end():
+    runner = FakeRunner(by_epoch=True, max_epochs=5)
+    run_schedule(runner, ValidationHook(2))
+    assert runner.validated == [2, 4, 5]
+    runner = FakeRunner(by_epoch=False, max_epochs=2)
+    runner.max_iters = 7
+    run_schedule(runner, ValidationHook(3))
+    assert runner.validated == [3, 6, 7]
+
+
+def test_iter_timer_averages_over_its_window(monkeypatch):
+    clock = iter([0.0, 0.5, 1.0, 1.25, 3.0])
+    monkeypatch.setattr("trainrun.runner.hooks.timer.time.perf_counter", lambda: next(clock))
+    timer = IterTimerHook(window=2)
+    assert timer.iter_time == 0.0 and timer.eta_seconds(10) == 0.0
+    timer.before_train_epoch(None)  # 0.0
+    timer.before_train_iter(None, 0, None)  # 0.5: waited 0.5 for data
+    timer.after_train_iter(None, 0, None, {})  # 1.0: an iteration of 1.0
+    timer.before_train_iter(None, 1, None)  # 1.25
+    timer.after_train_iter(None, 1, None, {})  # 3.0: an iteration of 2.0
+    assert timer.iter_time == 1.5 and timer.data_time == 0.375
+    assert timer.eta_seconds(4) == 6.0

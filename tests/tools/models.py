@@ -1,0 +1,39 @@
+"""Models the command-line tests name by import path (``model.type=tests.tools.models.X``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as torch_dist
+
+from trainrun.examples.digits import DigitsMLP
+
+
+class SlowDigitsMLP(DigitsMLP):
+    """The digits model, slowed down in training so a test can kill the job between steps."""
+
+    def __init__(self, step_seconds: float = 0.05, **kwargs):
+        super().__init__(**kwargs)
+        self.step_seconds = step_seconds
+
+    def forward(self, batch, mode="loss"):
+        if mode == "loss":
+            time.sleep(self.step_seconds)
+        return super().forward(batch, mode)
+
+
+class FailingDigitsMLP(DigitsMLP):
+    """Raises in the forward pass of training step ``fail_at`` on rank ``fail_rank``."""
+
+    def __init__(self, fail_at: int = 3, fail_rank: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.fail_at, self.fail_rank, self.steps = fail_at, fail_rank, 0
+
+    def forward(self, batch, mode="loss"):
+        if mode == "loss":
+            self.steps += 1
+            rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+            if self.steps == self.fail_at and rank == self.fail_rank:
+                raise RuntimeError(f"injected failure (pid {os.getpid()})")
+        return super().forward(batch, mode)

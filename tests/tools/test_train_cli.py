@@ -1,0 +1,252 @@
+"""tools/train.py, tools/test.py, tools/dist_train.sh and tools/plot_metrics.py end to end:
+real processes, real torchrun, the shipped digits config made short with --cfg-options."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.procs import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "tools" / "train.py"
+CONFIG = REPO / "configs" / "digits_ddp.yaml"
+SHORT = ["schedule.max_epochs=2", "checkpoint.interval=1", "logging.interval=5"]
+
+
+def env() -> dict[str, str]:
+    """This environment with the repository importable (test models live in tests/) and one
+    thread per process (2 processes share 2 cores)."""
+    out = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), out.get("PYTHONPATH")]))
+    out["OMP_NUM_THREADS"] = "1"
+    return out
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(free_port()), str(TRAIN), *args]
+
+
+def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+
+
+def train_records(work_dir: Path) -> list[dict]:
+    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "mode" not in r]
+
+
+def val_records(work_dir: Path) -> list[dict]:
+    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("mode") == "val"]
+
+
+# ---------------------------------------------------------------- training under torchrun
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """digits_ddp for 2 epochs on 2 processes under torchrun."""
+    work_dir = tmp_path_factory.mktemp("cli") / "digits"
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
+                        "--cfg-options", *SHORT))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return work_dir, done
+
+
+@pytest.mark.slow
+def test_train_under_torchrun_leaves_the_run_directory(trained):
+    work_dir, done = trained
+    assert {"config.yaml", "metrics.jsonl", "train.log", "checkpoints"} <= {
+        p.name for p in work_dir.iterdir()}
+    assert (work_dir / "checkpoints" / "last").read_text().strip() == "epoch_2.pth"
+    config = (work_dir / "config.yaml").read_text()
+    assert "max_epochs: 2" in config and "${" not in config  # overrides and interpolation applied
+    assert f"work_dir: {work_dir}" in config
+    steps = [r["step"] for r in train_records(work_dir)]
+    assert steps == [5, 10, 15, 20, 25, 30, 35, 40]  # 20 steps an epoch, logged every 5
+    assert all(isinstance(r["loss"], float) for r in train_records(work_dir))
+    val = val_records(work_dir)
+    assert [r["step"] for r in val] == [20, 40] and val[-1]["accuracy"] > 0.8
+    log = (work_dir / "train.log").read_text()
+    assert "validation at step 40" in log
+    assert "[rank 1]" not in done.stderr  # only rank 0 logs training
+
+
+@pytest.mark.slow
+def test_test_tool_scores_a_checkpoint(trained):
+    work_dir, _ = trained
+    done = run([sys.executable, str(REPO / "tools" / "test.py"), str(CONFIG),
+                str(work_dir / "checkpoints" / "epoch_2.pth"), "--launcher", "none",
+                "--work-dir", str(work_dir / "test")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loaded weights from" in done.stderr and "test: accuracy 0." in done.stderr
+
+
+@pytest.mark.slow
+def test_plot_metrics_draws_a_png(trained, tmp_path):
+    work_dir, _ = trained
+    out = tmp_path / "curves.png"
+    done = run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(work_dir),
+                str(work_dir), "-o", str(out)])
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "2 panels" in done.stdout  # train loss, val accuracy
+    missing = run([sys.executable, str(REPO / "tools" / "plot_metrics.py"),
+                   str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.png")])
+    assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr
+
+
+# ---------------------------------------------------------------- exact resume after SIGKILL
+
+SLOW = [*SHORT, "schedule.max_epochs=null", "schedule.max_iters=40", "schedule.val_interval=20",
+        "checkpoint.interval=10", "logging.interval=1",
+        "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.03"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so
+    killing torchrun's process group would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str) -> None:
+    """Start ``cmd`` and SIGKILL all of it as soon as ``checkpoint`` is the newest."""
+    last = work_dir / "checkpoints" / "last"
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while not (last.exists() and last.read_text().strip() == checkpoint):
+            if proc.poll() is not None:
+                pytest.fail(f"the job ended before {checkpoint}:\n{proc.stdout.read()[-3000:]}")
+            assert time.monotonic() < deadline, f"no {checkpoint} within 120 s"
+            time.sleep(0.01)
+    finally:
+        for pid in [*descendants(proc.pid), proc.pid]:  # the workers first, all at once
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path):
+    """A 2-process DDP job SIGKILLed right after its step-30 checkpoint (the middle of the
+    second 20-step epoch) and resumed with --resume logs exactly the losses of a job that never
+    stopped."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
+                        "--cfg-options", *SLOW))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    _kill_after_checkpoint(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir",
+                                    str(killed), "--cfg-options", *SLOW), killed, "iter_30.pth")
+    logged_before = {r["step"] for r in train_records(killed)}
+    assert 30 in logged_before and 40 not in logged_before  # killed between 30 and the end
+
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(killed),
+                        "--resume", "--cfg-options", *SLOW))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "step 30" in done.stderr
+
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    resumed = train_records(killed)
+    after = resumed[[r["step"] for r in resumed].index(31, len(logged_before) - 5):]
+    assert [r["step"] for r in after] == list(range(31, 41))
+    for record in after:
+        assert record["loss"] == expected[record["step"]], record  # bit for bit
+    assert val_records(killed)[-1] == val_records(straight)[-1]
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_with_dist_train_sh(tmp_path):
+    """tools/dist_train.sh, and a checkpoint in the middle of epoch 1 (step 10)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    script = str(REPO / "tools" / "dist_train.sh")
+    options = [*SLOW, "schedule.max_iters=16", "model.step_seconds=0"]
+    for work_dir in (straight, resumed):
+        done = run([script, str(CONFIG), "2", "--work-dir", str(work_dir),
+                    "--cfg-options", *options])
+        assert done.returncode == 0, done.stderr[-3000:]
+    # cut the resumed run back to its step-10 checkpoint, as if it had died at step 13
+    (resumed / "checkpoints" / "last").write_text("iter_10.pth\n")
+    done = run([script, str(CONFIG), "2", "--work-dir", str(resumed), "--resume",
+                str(resumed / "checkpoints" / "iter_10.pth"), "--cfg-options", *options])
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    again = train_records(resumed)[16:]
+    assert [r["step"] for r in again] == list(range(11, 17))
+    assert all(r["loss"] == expected[r["step"]] for r in again)
+
+
+# ---------------------------------------------------------------- refusing and failing
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--cfg-options", "optim.lrr=0.1"], ["optim.lrr", "'optim.lr'"]),
+    (["--cfg-options", "precision=fp64"], ["precision", "fp64", "bf16"]),
+    (["--cfg-options", "schedule.max_iters=100"], ["max_epochs", "max_iters"]),
+    (["--cfg-options", "strategy.type=dpp"], ["strategy.type", "'ddp'"]),
+    (["--cfg-options", "data.train.batch_size=-4"], ["data.train.batch_size", "-4"]),
+    (["--resume", "/nonexistent/ckpt.pth"], ["resume", "/nonexistent/ckpt.pth"]),
+    (["--launcher", "pytorch"], ["RANK", "torchrun"]),
+])
+def test_bad_configs_exit_2_with_one_line_and_write_nothing(tmp_path, args, names):
+    work_dir = tmp_path / "run"
+    done = run([sys.executable, str(TRAIN), str(CONFIG), "--launcher", "none",
+                "--work-dir", str(work_dir), *args], timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    for name in names:
+        assert name in errors[0], errors[0]
+    assert not work_dir.exists()
+
+
+def test_missing_config_file_and_bad_flag(tmp_path):
+    done = run([sys.executable, str(TRAIN), str(tmp_path / "nope.yaml")], timeout=60)
+    assert done.returncode == 2 and "nope.yaml" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = run([sys.executable, str(TRAIN), str(CONFIG), "--launcher", "torch"], timeout=60)
+    assert done.returncode == 2 and "--launcher" in done.stderr
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    work_dir = tmp_path / "run"
+    done = run([sys.executable, str(TRAIN), str(CONFIG), "--launcher", "none", "--dry-run",
+                "--work-dir", str(work_dir), "--cfg-options", "optim.accumulate=2"], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "effective 32 x 1 ranks x 2 accumulated = 64" in done.stdout, done.stdout
+    assert "40 per epoch" in done.stdout
+    assert not work_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_failing_rank_exits_1_naming_rank_and_step(tmp_path):
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path),
+                        "--cfg-options", *SHORT, "model.type=tests.tools.models.FailingDigitsMLP",
+                        "model.fail_at=3", "model.fail_rank=1", "dist_timeout=60"))
+    assert done.returncode != 0
+    assert "rank 1, step 3: RuntimeError: injected failure" in done.stderr, done.stderr[-3000:]
