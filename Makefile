@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup train test test-fast bench lint
+.PHONY: setup train test test-fast bench bench-collectives bench-runner lint
 
 setup:
 	@bash tools/bootstrap.sh
@@ -19,8 +19,13 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
 
-bench: setup
+bench: bench-collectives bench-runner
+
+bench-collectives: setup
 	@bash bench/run_collectives.sh
+
+bench-runner: setup
+	@bash bench/run_runner_overhead.sh
 
 lint: setup
 	$(VENV)/bin/ruff check trainrun tests tools bench

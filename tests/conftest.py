@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests import slurm_cluster
 from tests.procs import DistPool
 
 WORLD_SIZES = (1, 2, 3)  # 1: a plain process that never joined a group
@@ -44,3 +45,9 @@ def world_size(request: pytest.FixtureRequest) -> int:
 def on_ranks(run_on: Callable[[int], RunOnRanks], world_size: int) -> RunOnRanks:
     """Run a body in a plain process, then on 2 and on 3 gloo ranks (one test each)."""
     return run_on(world_size)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.SlurmCluster]:
+    """A real one-node SLURM, started once per session (skips, saying why, where it cannot)."""
+    yield from slurm_cluster.session_cluster(tmp_path_factory)

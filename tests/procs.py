@@ -103,8 +103,9 @@ class DistPool:
         replies = self._collect(deadline=time.monotonic() + timeout + 30)
         failures = {r: rep for r, rep in replies.items() if rep is None or rep[0] == "error"}
         if failures:
-            if any(rep is None for rep in failures.values()):
-                self.close()  # a rank is stuck: start afresh for the next test
+            # the ranks may now be out of step (one stuck, or one in a group the others left):
+            # the next test starts on fresh processes, so one failure never spreads
+            self.close()
             raise RankFailure(self._describe(body, failures))
         return [replies[r][1] for r in range(self.world_size)]
 

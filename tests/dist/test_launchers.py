@@ -34,12 +34,6 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
                  "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
 
 
-@pytest.fixture(scope="session")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """The local one-node SLURM (to share it with other modules, move this to conftest.py)."""
-    yield from slurm_cluster.session_cluster(tmp_path_factory)
-
-
 def job_env() -> dict[str, str]:
     """This environment without any launcher's variables: each test's launcher sets its own."""
     env = {k: v for k, v in os.environ.items()

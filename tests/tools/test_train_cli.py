@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,35 @@ def test_a_failing_rank_exits_1_naming_rank_and_step(tmp_path):
                         "model.fail_at=3", "model.fail_rank=1", "dist_timeout=60"))
     assert done.returncode != 0
     assert "rank 1, step 3: RuntimeError: injected failure" in done.stderr, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the other launchers
+
+ONE_EPOCH = ["schedule.max_epochs=1", "logging.interval=5", "checkpoint.interval=1"]
+
+
+def _assert_trained_one_epoch(work_dir: Path) -> None:
+    assert [r["step"] for r in train_records(work_dir)] == [5, 10, 15, 20]  # 2 ranks x 32
+    assert (work_dir / "checkpoints" / "last").read_text().strip() == "epoch_1.pth"
+
+
+@pytest.mark.slow
+def test_train_under_mpirun(tmp_path):
+    if not shutil.which("mpirun"):
+        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin)")
+    as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    done = run(["mpirun", "-np", "2", *as_root, "--oversubscribe", "-x", "PYTHONPATH",
+                "-x", "OMP_NUM_THREADS", "-x", f"MASTER_PORT={free_port()}", sys.executable,
+                str(TRAIN), str(CONFIG), "--launcher", "mpi", "--work-dir", str(tmp_path),
+                "--cfg-options", *ONE_EPOCH])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_trained_one_epoch(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_under_srun(slurm, tmp_path):
+    done = slurm.srun("-n", "2", sys.executable, str(TRAIN), str(CONFIG), "--launcher", "slurm",
+                      "--work-dir", str(tmp_path), "--cfg-options", *ONE_EPOCH, env=env(),
+                      timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_trained_one_epoch(tmp_path)

@@ -6,8 +6,7 @@ A model's ``train_step`` runs its forward inside ``optim_context`` and hands the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -68,15 +67,9 @@ class OptimWrapper:
         """Whether the current micro-step ends with an optimiser step (and gradient sync)."""
         return self.micro_steps + 1 >= self.group_size()
 
-    @contextmanager
-    def optim_context(self, model: nn.Module) -> Iterator[None]:
+    def optim_context(self, model: nn.Module) -> AbstractContextManager[None]:
         """Around the forward: no gradient sync on micro-steps that do not step, and autocast."""
-        with ExitStack() as stack:
-            if not self.will_step and hasattr(model, "no_sync"):
-                stack.enter_context(model.no_sync())
-            if PRECISIONS[self.precision] is not None:
-                stack.enter_context(torch.autocast(self.device_type, PRECISIONS[self.precision]))
-            yield
+        return _OptimContext(self, model)
 
     def update_params(self, loss: Tensor) -> None:
         """Backward ``loss``; step and zero the gradients once ``accumulate`` micro-steps are in."""
@@ -138,6 +131,36 @@ class OptimWrapper:
         if state.get("grads") is not None:
             for p, grad in zip(self._params(), state["grads"], strict=True):
                 p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+
+
+class _OptimContext:
+    """`OptimWrapper.optim_context`. It decides on entering, as a generator-based context
+    would, but enters nothing at all on the usual step (one that syncs, in fp32): around a
+    forward, a generator and an ExitStack cost more than the rest of the wrapper together."""
+
+    __slots__ = ("_model", "_stack", "_wrapper")
+
+    def __init__(self, wrapper: OptimWrapper, model: nn.Module):
+        self._wrapper = wrapper
+        self._model = model
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> None:
+        wrapper = self._wrapper
+        no_sync = not wrapper.will_step and hasattr(self._model, "no_sync")
+        dtype = PRECISIONS[wrapper.precision]
+        if not no_sync and dtype is None:
+            return
+        with ExitStack() as stack:
+            if no_sync:
+                stack.enter_context(self._model.no_sync())
+            if dtype is not None:
+                stack.enter_context(torch.autocast(wrapper.device_type, dtype))
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        stack, self._stack = self._stack, None
+        return bool(stack is not None and stack.__exit__(*exc_info))
 
 
 class OptimWrapperDict(dict):

@@ -16,22 +16,37 @@ import torch
 from torch import Tensor, nn
 
 
+def _mean(value: Tensor) -> Tensor:
+    return value if value.dim() == 0 and value.is_floating_point() else value.mean()
+
+
 def parse_losses(losses: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Sum the entries whose name contains 'loss' into the loss to optimise.
 
     Returns that loss and the values to log (each entry's mean, plus ``loss``), still as
     tensors: turning them into numbers would wait for the device at every step.
+
+    A floating-point scalar (the usual loss) is its own mean: it is used as it is, which gives
+    the same bits without the two extra operations and the extra backward node of ``mean()``.
     """
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
             f"forward(batch, mode='loss') must return a dict of tensors, got {losses!r}")
-    log_vars = {name: value.detach().mean() for name, value in losses.items()}
-    parts = [value.mean() for name, value in losses.items() if "loss" in name]
+    log_vars: dict[str, Tensor] = {}
+    parts = []
+    for name, value in losses.items():
+        if "loss" in name:
+            mean = _mean(value)
+            parts.append(mean)
+            log_vars[name] = mean.detach()
+        else:
+            log_vars[name] = _mean(value.detach())
     if not parts:
         raise ValueError(
             f"forward(batch, mode='loss') returned no entry named '*loss*': {list(losses)}")
     loss = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-    log_vars["loss"] = loss.detach()
+    if len(parts) > 1 or "loss" not in losses:  # else log_vars['loss'] is loss.detach() already
+        log_vars["loss"] = loss.detach()
     return loss, log_vars
 
 

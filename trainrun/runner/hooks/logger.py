@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 from typing import Any
 
 from trainrun.dist import all_reduce_dict, is_main_process
@@ -31,8 +32,11 @@ class LoggerHook(Hook):
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
         self._bar = None
         self._tensorboard = None
+        self._started: tuple[float, int] | None = None  # (clock, step) when training began
+        self._last_val: dict[str, float] = {}
 
     def before_train(self, runner: Any) -> None:
+        self._started = (time.monotonic(), runner.iter)
         if "tensorboard" in self.backends and is_main_process():
             self._tensorboard = self._open_tensorboard(runner)
         if self.progress_bar:
@@ -91,6 +95,7 @@ class LoggerHook(Hook):
                 f"lr {record['lr']:.3e}  {record['time']:.3f} s/it  eta {eta}")
 
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
+        self._last_val = dict(metrics)
         if not is_main_process():
             return
         record = {"step": runner.iter, "mode": "val", **metrics}
@@ -106,6 +111,20 @@ class LoggerHook(Hook):
         if is_main_process():
             text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             get_logger().info(f"test: {text}")
+
+    def after_run(self, runner: Any) -> None:
+        """One closing line: how far, how long, the last validation, where the run lives."""
+        if not is_main_process() or self._started is None:
+            return
+        seconds, first_step = time.monotonic() - self._started[0], self._started[1]
+        done = f"training done: step {runner.iter}/{runner.max_iters}"
+        if runner.iter > first_step:
+            done += (f" ({runner.iter - first_step} steps in "
+                     f"{datetime.timedelta(seconds=round(seconds))})")
+        if self._last_val:
+            done += "; last validation " + "  ".join(f"{k} {v:.4f}"
+                                                     for k, v in self._last_val.items())
+        get_logger().info(f"{done}; run directory {runner.work_dir}")
 
     def after_train(self, runner: Any) -> None:
         if self._bar is not None:

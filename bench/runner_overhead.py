@@ -1,0 +1,504 @@
+"""What the runner costs per training step, against a hand-written PyTorch DDP loop.
+
+Run under ``torchrun --nproc_per_node 2`` with one thread per rank
+(``bench/run_runner_overhead.sh`` does). Every contestant trains the same job: the same model
+(built right after seeding python, numpy and torch with the same seed), the same data in the
+same order (torch's `DistributedSampler` order, reshuffled every epoch with ``seed + epoch``),
+the same batch, AdamW and an epoch-based schedule, under DDP on a 2-process gloo group:
+
+- ``raw``: a hand-written loop: ``DistributedSampler``, ``DataLoader`` (with a generator of its
+  own, seeded ``seed + epoch`` every epoch as trainrun's loop does, so building an iterator
+  never draws from the global random stream), ``DistributedDataParallel(model,
+  bucket_cap_mb=25)`` (the buckets of trainrun's ddp strategy, see `DDP_BUCKET_CAP_MB`),
+  ``loss = ddp(batch)['loss']; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``.
+- ``runner``: ``trainrun.runner.runner.Runner`` built from config sections (model, data and
+  optimiser by name, strategy ddp, ``schedule: {max_epochs: E}``), ``runner.train()``.
+- ``mmengine`` (when ``import mmengine`` works): MMEngine's ``Runner`` with its
+  ``EpochBasedTrainLoop`` (its ``IterBasedTrainLoop`` sleeps 2 s at every epoch end of a
+  ``DefaultSampler``), ``DefaultSampler``, ``default_collate`` and AdamW, the model wrapped
+  in an ``mmengine.model.BaseModel`` whose forward calls the same module; its DDP wrapper gets
+  ``device_ids=None`` (its default, ``[LOCAL_RANK]``, fails on CPU) and the same buckets.
+
+What is timed: the wall time from the end of step ``--warmup`` to the end of the last step
+(so every epoch boundary in between is included), divided by the number of steps; a run's time
+is its slowest rank's. The rounds alternate the contestants (the order rotates every round),
+and the reported seconds per step are medians over rounds;
+``runner overhead vs raw PyTorch DDP: R`` is the runner's median over the raw loop's. The
+ratio of the minima and the median of each round's own ratio are printed beside it: on a
+shared 2-core machine single runs vary by several percent, so compare them before trusting
+the third digit (and repeat the whole bench).
+
+Logging work is the same in the timed runs: every ``--interval`` steps (and at the last step)
+both average the loss over the ranks (one all_reduce, then ``.item()``) and rank 0 appends a
+JSON line to a metrics.jsonl and a text line to a train.log (the raw loop: a file opened once,
+and a `logging.FileHandler`; the runner: its `LoggerHook`).
+MMEngine logs every ``--interval`` iterations of an epoch with its default hooks (its log
+file, its ``scalars.json``; with 12 steps an epoch that is once an epoch), console output
+going to /dev/null; checkpoints are off for all.
+The clock itself is a hook in both runners and two comparisons in the raw loop.
+
+Numerics: before the timed rounds, a separate short run of each logs every step (the raw loop
+all-reduces every step too) and rank 0 checks that the runner's logged losses, read back from
+metrics.jsonl, are bit-for-bit the raw loop's; in the timed rounds the losses at the logged
+steps are checked again. MMEngine logs rank 0's loss only, so for its check a hook averages its
+``train_step`` outputs over the ranks (its DataLoader gets ``generator=torch.Generator()`` for
+the same reason as the raw loop's: otherwise each epoch's iterator draws from the global
+stream and the dropout masks move). Exit status 1 when trainrun's losses differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from trainrun.examples import resolve
+from trainrun.runner.hooks import Hook
+from trainrun.runner.runner import Runner
+from trainrun.wrappers.ddp import DDPStrategy
+
+CONTESTANTS = ("raw", "runner", "mmengine")
+# What trainrun's ddp strategy passes. Left as None, torch makes the first bucket 1 MiB, and a
+# model of a few MB then takes one more all_reduce a step: a difference of DDP settings, not of
+# the code around the step, so every contestant gets the same buckets.
+DDP_BUCKET_CAP_MB = DDPStrategy.OPTIONS["bucket_cap_mb"]
+
+
+@dataclass
+class Job:
+    """The training job every contestant runs."""
+
+    model: dict[str, Any]  # a trainrun model config section
+    data: dict[str, Any]  # a trainrun data section (without batch_size)
+    batch_size: int
+    lr: float
+    seed: int
+    epochs: int
+    interval: int  # logging interval (steps)
+    warmup: int  # steps before the clock starts
+
+    def build_model(self) -> torch.nn.Module:
+        options = dict(self.model)
+        return resolve("model", options.pop("type"))(**options)
+
+    def build_dataset(self) -> Any:
+        options = dict(self.data)
+        return resolve("dataset", options.pop("type"))(**options)
+
+
+WORKLOADS: dict[str, Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, Any], int]]] = {
+    # a 2-hidden-layer MLP on the 8x8 digits: about 8 ms a step on one core
+    "digits": lambda a: ({"type": "DigitsMLP", "hidden": a.hidden, "num_layers": a.layers,
+                          "dropout": a.dropout}, {"type": "digits"}, a.batch_size or 64),
+    # a 2-layer character transformer on two standard-library files: about 25 ms a step
+    "tinylm": lambda a: ({"type": "TinyLM", "n_embd": 64, "n_layer": 2, "dropout": a.dropout},
+                         {"type": "char_corpus", "files": ["heapq.py", "pprint.py"]},
+                         a.batch_size or 8),
+}
+
+
+@dataclass
+class Result:
+    seconds_per_step: float  # wall time, the slowest rank's
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss averaged over ranks
+
+
+class Stopwatch:
+    """Wall time between `start` and `stop` (two calls in the step loop)."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+
+    def start(self) -> None:
+        self.wall = time.perf_counter()
+
+    def stop(self) -> None:
+        self.wall = time.perf_counter() - self.wall
+
+    def result(self, steps: int, losses: dict[int, float]) -> Result:
+        """Seconds per step of the slowest rank."""
+        wall = torch.tensor(self.wall, dtype=torch.float64)
+        torch_dist.all_reduce(wall, torch_dist.ReduceOp.MAX)
+        return Result(float(wall) / steps, losses)
+
+
+def seed_everything(seed: int) -> None:
+    """What `trainrun.runner.seed.set_random_seed` and MMEngine's do for one seed."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------- raw loop
+
+
+class RawLog:
+    """The raw loop's logging on rank 0: a JSON line to metrics.jsonl (opened once,
+    line-buffered) and a text line to train.log through `logging`, as a hand-written loop
+    that keeps both would; nothing on the other ranks."""
+
+    def __init__(self, work_dir: Path):
+        self.metrics: Any = None
+        self.logger = logging.getLogger("bench.raw")
+        self.logger.propagate = False
+        self.logger.setLevel(logging.INFO)
+        self.handler: logging.Handler | None = None
+        if torch_dist.get_rank() == 0:
+            work_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(work_dir / "metrics.jsonl", "a", encoding="utf-8", buffering=1)
+            self.handler = logging.FileHandler(work_dir / "train.log", encoding="utf-8")
+            self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            self.logger.addHandler(self.handler)
+
+    def write(self, step: int, last: int, epoch: int, loss: float, lr: float) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.write(json.dumps({"step": step, "epoch": epoch, "loss": loss, "lr": lr})
+                           + "\n")
+        self.logger.info(f"epoch {epoch}  step {step}/{last}  loss {loss:.6g}  lr {lr:.3e}")
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.handler is not None:
+            self.logger.removeHandler(self.handler)
+            self.handler.close()
+
+
+def train_raw(job: Job, interval: int, work_dir: Path) -> Result:
+    """The hand-written DDP loop; every ``interval`` steps it averages the loss over the ranks
+    (one all_reduce) and rank 0 logs it (`RawLog`)."""
+    world_size = torch_dist.get_world_size()
+    seed_everything(job.seed)
+    model = job.build_model()
+    dataset = job.build_dataset()
+    sampler = DistributedSampler(dataset, shuffle=True, seed=job.seed)
+    generator = torch.Generator()
+    loader = DataLoader(dataset, batch_size=job.batch_size, sampler=sampler, generator=generator)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=job.lr)
+    log = RawLog(work_dir)
+    last = job.epochs * len(loader)
+    losses: dict[int, float] = {}
+    clock = Stopwatch()
+    step = 0
+    for epoch in range(job.epochs):
+        sampler.set_epoch(epoch)
+        generator.manual_seed(job.seed + epoch)
+        ddp.train()
+        for batch in loader:
+            loss = ddp(batch)["loss"]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % interval == 0 or step == last:
+                mean = loss.detach().reshape(1).clone()
+                torch_dist.all_reduce(mean)
+                losses[step] = torch.true_divide(mean, world_size).item()
+                log.write(step, last, epoch + 1, losses[step], optimizer.param_groups[0]["lr"])
+            if step == job.warmup:
+                clock.start()
+            elif step == last:
+                clock.stop()
+    log.close()
+    del ddp, optimizer, model
+    gc.collect()
+    return clock.result(last - job.warmup, losses)
+
+
+# ---------------------------------------------------------------------------------- trainrun
+
+
+class StepClock(Hook):
+    """Notes the time after the hooks of step ``start`` and of the last step (lowest priority,
+    so after every other hook)."""
+
+    priority = 100
+
+    def __init__(self, start: int):
+        self.start = start
+        self.watch = Stopwatch()
+
+    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
+                         outputs: dict[str, Any]) -> None:
+        if runner.iter == self.start:
+            self.watch.start()
+        elif runner.iter == runner.max_iters:
+            self.watch.stop()
+
+
+def quiet_console() -> None:
+    """Keep the runner's closing INFO line off the console (train.log still gets it)."""
+    for handler in logging.getLogger("trainrun").handlers:
+        if type(handler) is logging.StreamHandler:
+            handler.setLevel(logging.WARNING)
+
+
+def train_runner(job: Job, interval: int, work_dir: Path) -> Result:
+    clock = StepClock(job.warmup)
+    runner = Runner(
+        model=dict(job.model),
+        work_dir=work_dir,
+        train_dataloader={**job.data, "batch_size": job.batch_size},
+        optim={"type": "AdamW", "lr": job.lr},
+        strategy="ddp",
+        schedule={"max_epochs": job.epochs},
+        randomness={"seed": job.seed},
+        logging={"interval": interval, "backends": ["jsonl"]},
+        checkpoint={"interval": 0, "save_last": False},
+        hooks=[clock],
+        launcher="none",  # the group is already there
+    )
+    quiet_console()
+    runner.train()
+    steps = runner.max_iters - job.warmup
+    runner.close()
+    del runner
+    gc.collect()
+    losses: dict[int, float] = {}
+    if torch_dist.get_rank() == 0:
+        with open(work_dir / "metrics.jsonl", encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                if "loss" in record and record.get("mode") is None:
+                    losses[record["step"]] = record["loss"]
+    return clock.watch.result(steps, losses)
+
+
+# ---------------------------------------------------------------------------------- MMEngine
+
+
+def mmengine_missing() -> str | None:
+    """Why MMEngine's Runner cannot take part, or None when it can."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import mmengine.runner  # noqa: F401  (bench-only dependency)
+    except Exception as error:  # ImportError, or a version clash raising anything else
+        return f"import mmengine.runner failed: {type(error).__name__}: {error}"
+    return None
+
+
+def train_mmengine(job: Job, interval: int, work_dir: Path, name: str,
+                   record_losses: bool = False) -> Result:
+    from mmengine.hooks import Hook as MMHook
+    from mmengine.model import BaseModel as MMBaseModel
+    from mmengine.runner import Runner as MMRunner
+
+    class Wrapped(MMBaseModel):
+        """The job's model behind MMEngine's ``forward(**batch, mode)`` contract."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = job.build_model()
+
+        def forward(self, inputs: torch.Tensor, labels: torch.Tensor, mode: str = "loss") -> Any:
+            return self.inner({"inputs": inputs, "labels": labels},
+                              mode="predict" if mode == "predict" else "loss")
+
+    class Clock(MMHook):
+        priority = "LOWEST"
+
+        def __init__(self) -> None:
+            self.count = 0
+            self.watch = Stopwatch()
+            self.losses: dict[int, float] = {}
+
+        def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                             outputs: Any = None) -> None:
+            self.count += 1
+            if record_losses:
+                mean = outputs["loss"].detach().reshape(1).clone()
+                torch_dist.all_reduce(mean)
+                self.losses[self.count] = torch.true_divide(
+                    mean, torch_dist.get_world_size()).item()
+            if self.count == job.warmup:
+                self.watch.start()
+            elif self.count == runner.max_iters:
+                self.watch.stop()
+
+    clock = Clock()
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = MMRunner(
+            model=dict(type=Wrapped),
+            work_dir=str(work_dir),
+            train_dataloader=dict(
+                dataset=job.build_dataset(), batch_size=job.batch_size, num_workers=0,
+                sampler=dict(type="DefaultSampler", shuffle=True),
+                collate_fn=dict(type="default_collate"), generator=torch.Generator()),
+            train_cfg=dict(by_epoch=True, max_epochs=job.epochs),
+            optim_wrapper=dict(optimizer=dict(type="AdamW", lr=job.lr)),
+            default_hooks=dict(logger=dict(type="LoggerHook", interval=interval),
+                               checkpoint=None),
+            custom_hooks=[clock],
+            launcher="pytorch",  # joins the existing group
+            env_cfg=dict(dist_cfg=dict(backend="gloo")),
+            randomness=dict(seed=job.seed),
+            experiment_name=name,
+            # MMEngine's default wrapper passes device_ids=[LOCAL_RANK], which DDP refuses for a
+            # CPU module; its documented way out is model_wrapper_cfg (same DDP otherwise)
+            cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None,
+                                            broadcast_buffers=False,
+                                            bucket_cap_mb=DDP_BUCKET_CAP_MB)),
+        )
+        runner.train()
+        steps = runner.max_iters - job.warmup
+    del runner
+    gc.collect()
+    return clock.watch.result(steps, clock.losses)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def bits_equal(a: dict[int, float], b: dict[int, float]) -> tuple[bool, str]:
+    """Whether two step -> loss maps hold the same steps and bit-identical values."""
+    if sorted(a) != sorted(b):
+        return False, f"logged steps differ: {sorted(a)[:5]}... vs {sorted(b)[:5]}..."
+    for step in sorted(a):
+        if float(a[step]).hex() != float(b[step]).hex():
+            return False, f"first difference at step {step}: {a[step]!r} vs {b[step]!r}"
+    return True, f"{len(a)} steps"
+
+
+def shared_tempdir() -> Path:
+    """One scratch directory for the job, made by rank 0 and named to every rank."""
+    names = [tempfile.mkdtemp(prefix="trainrun-bench-") if torch_dist.get_rank() == 0 else None]
+    torch_dist.broadcast_object_list(names, src=0)
+    return Path(names[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="digits")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--epochs", type=int, default=6,
+                        help="epochs per timed run (digits: 12 steps an epoch)")
+    parser.add_argument("--warmup", type=int, default=12, help="untimed steps at the start")
+    parser.add_argument("--interval", type=int, default=10,
+                        help="logging interval of the timed runs (steps)")
+    parser.add_argument("--check-epochs", type=int, default=4,
+                        help="epochs of the run that logs every step to compare losses")
+    parser.add_argument("--batch-size", type=int, default=None, help="per rank")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-mmengine", action="store_true")
+    args = parser.parse_args()
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch_dist.init_process_group("gloo")
+    rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
+
+    def say(*parts: Any) -> None:
+        if rank == 0:
+            print(*parts, flush=True)
+
+    model, data, batch_size = WORKLOADS[args.workload](args)
+    job = Job(model, data, batch_size, args.lr, args.seed, args.epochs, args.interval,
+              args.warmup)
+    check = Job(model, data, batch_size, args.lr, args.seed, args.check_epochs, 1, 1)
+    why_not_mm = "--no-mmengine" if args.no_mmengine else mmengine_missing()
+    contestants = [c for c in CONTESTANTS if c != "mmengine" or why_not_mm is None]
+    scratch = shared_tempdir()
+    try:
+        steps = len(DataLoader(job.build_dataset(), batch_size=batch_size,
+                               sampler=DistributedSampler(job.build_dataset())))
+        say(f"runner overhead bench: {args.workload} {model}, batch {batch_size} per rank, "
+            f"AdamW, {world_size} ranks, gloo, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+            f", torch {torch.__version__}; {steps} steps an epoch, {args.epochs} epochs a run, "
+            f"timed after {args.warmup} steps; logging every {args.interval} steps")
+        if why_not_mm is not None:
+            say(f"MMEngine: skipped ({why_not_mm})")
+
+        # numerics: every step logged by both
+        raw = train_raw(check, 1, scratch / "check-raw")
+        ours = train_runner(check, 1, scratch / "check-runner")
+        ok = True
+        if rank == 0:
+            ok, detail = bits_equal(ours.losses, raw.losses)
+            say(f"runner's logged losses bit-for-bit equal to the raw loop's "
+                f"(every step logged): {'yes' if ok else 'NO'} ({detail})")
+        if "mmengine" in contestants:
+            theirs = train_mmengine(check, 1, scratch / "check-mmengine", "check",
+                                    record_losses=True)
+            if rank == 0:
+                mm_ok, detail = bits_equal(theirs.losses, raw.losses)
+                say(f"MMEngine's losses (averaged over ranks by a hook) bit-for-bit equal to "
+                    f"the raw loop's: {'yes' if mm_ok else 'no'} ({detail})")
+
+        wall: dict[str, list[float]] = {c: [] for c in contestants}
+        timed_ok = True
+        for r in range(args.rounds):
+            shift = r % len(contestants)
+            order = contestants[shift:] + contestants[:shift]
+            results: dict[str, Result] = {}
+            for name in order:
+                torch_dist.barrier()
+                if name == "raw":
+                    results[name] = train_raw(job, args.interval, scratch / f"raw-{r}")
+                elif name == "runner":
+                    results[name] = train_runner(job, args.interval, scratch / f"runner-{r}")
+                else:
+                    results[name] = train_mmengine(job, args.interval, scratch / f"mm-{r}",
+                                                   f"round{r}")
+                wall[name].append(results[name].seconds_per_step)
+            if rank == 0:
+                same, _ = bits_equal(results["runner"].losses, results["raw"].losses)
+                timed_ok = timed_ok and same
+            say(f"round {r + 1:2d}: " + "  ".join(
+                f"{name} {results[name].seconds_per_step * 1e3:.3f} ms/step" for name in order))
+
+        median = {name: statistics.median(values) for name, values in wall.items()}
+        say(f"seconds per step over {args.rounds} rounds, median (min):  " + "  ".join(
+            f"{name} {median[name] * 1e3:.3f} ms ({min(wall[name]) * 1e3:.3f})"
+            for name in contestants))
+        for name in contestants[1:]:
+            paired = statistics.median(a / b for a, b in zip(wall[name], wall["raw"], strict=True))
+            say(f"{name}/raw: {median[name] / median['raw']:.3f} by medians, "
+                f"{min(wall[name]) / min(wall['raw']):.3f} by minima, {paired:.3f} median of the "
+                f"rounds' own ratios")
+        say(f"timed runs: runner's logged losses equal the raw loop's at every logged step: "
+            f"{'yes' if timed_ok else 'NO'}")
+        ratio = median["runner"] / median["raw"]
+        say(f"runner overhead vs raw PyTorch DDP: {ratio:.3f}"
+            f"  (target <= 1.02: {'met' if ratio <= 1.02 else 'NOT met'})")
+        if "mmengine" in median:
+            say(f"MMEngine Runner overhead vs raw PyTorch DDP: "
+                f"{median['mmengine'] / median['raw']:.3f}")
+        ok = ok and timed_ok
+    finally:
+        torch_dist.barrier()
+        if rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        torch_dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
