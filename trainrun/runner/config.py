@@ -519,6 +519,10 @@ def check(data: Any, mode: str = "train") -> tuple[dict[str, Any], list[str]]:
                               total_name="schedule.max_iters")
         except ValueError as error:
             raise ConfigError(str(error)) from None
+    try:
+        STRATEGIES[out["strategy"]["type"]].check_config(out)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return out, warnings
 
 

@@ -38,6 +38,7 @@ from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
 from trainrun.wrappers import Strategy, build_strategy
 from trainrun.wrappers.base import load_state_file
+from trainrun.wrappers.deepspeed import deepspeed_weights, is_deepspeed_checkpoint
 
 
 class Runner:
@@ -101,9 +102,12 @@ class Runner:
         make_optimizer = optimizer_factory(optim) if isinstance(optim, Mapping) else optim
         if self.train_dataloader is None:
             make_optimizer = None
+        optim_cfg = optim if isinstance(optim, Mapping) else {}
+        self.strategy.configure(getattr(self.train_dataloader, "batch_size", None), optim_cfg,
+                                precision)
         self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
-        self.optim_wrapper = None
-        if self.optimizer is not None:
+        self.optim_wrapper = self.strategy.optim_wrapper(self.model, self.optimizer)
+        if self.optimizer is not None and self.optim_wrapper is None:
             self.optim_wrapper = wrap_optimizers(self.optimizer, optim if isinstance(
                 optim, Mapping) else {}, precision, self.device.type)
 
@@ -340,7 +344,8 @@ class Runner:
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path``."""
-        state = load_state_file(str(path))
+        state = deepspeed_weights(path) if is_deepspeed_checkpoint(path) \
+            else load_state_file(str(path))
         self.strategy.load_model_state_dict(self.model, state.get("model", state))
         self.logger.info("loaded weights from %s", path)
 

@@ -12,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainrun.wrappers.base import Strategy
 from trainrun.wrappers.base_model import BaseModel, parse_losses
 from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
+from trainrun.wrappers.deepspeed import DeepSpeedStrategy
+from trainrun.wrappers.fsdp import FSDPStrategy, MMFullyShardedDataParallel
 from trainrun.wrappers.separate_ddp import MMSeparateDistributedDataParallel, SeparateDDPStrategy
 from trainrun.wrappers.single import SingleDeviceStrategy
 
@@ -19,6 +21,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "none": SingleDeviceStrategy,
     "ddp": DDPStrategy,
     "separate_ddp": SeparateDDPStrategy,
+    "deepspeed": DeepSpeedStrategy,
+    "fsdp": FSDPStrategy,
 }
 
 
@@ -31,7 +35,8 @@ def build_strategy(name: str, **options: Any) -> Strategy:
 
 def is_model_wrapper(model: Any) -> bool:
     """True for trainrun's wrappers and torch's own DDP and FSDP (both generations)."""
-    if isinstance(model, (DistributedDataParallel, MMSeparateDistributedDataParallel)):
+    if isinstance(model, (DistributedDataParallel, MMSeparateDistributedDataParallel,
+                          MMFullyShardedDataParallel)):
         return True
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -42,13 +47,17 @@ def is_model_wrapper(model: Any) -> bool:
 
 def _is_deepspeed_engine(model: Any) -> bool:
     """Checked by class name, so that DeepSpeed is never imported just to ask."""
-    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__)
+    return any(cls.__name__ in ("DeepSpeedEngine", "MMDeepSpeedEngineWrapper")
+               for cls in type(model).__mro__)
 
 
 __all__ = [
     "BaseModel",
     "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
     "MMDistributedDataParallel",
+    "MMFullyShardedDataParallel",
     "MMSeparateDistributedDataParallel",
     "STRATEGIES",
     "SeparateDDPStrategy",

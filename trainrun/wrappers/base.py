@@ -57,11 +57,27 @@ class Strategy(ABC):
             )
         self.options = {**self.OPTIONS, **options}
 
+    def configure(self, batch_size: int | None, optim: Mapping[str, Any],  # noqa: B027
+                  precision: str) -> None:
+        """The run's own settings, before `setup`: per-rank batch size, the ``optim`` section
+        and the precision. Strategies that step the optimiser themselves (DeepSpeed) need them;
+        this default ignores them."""
+
+    @classmethod  # noqa: B027 - optional: most strategies run any checked config
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        """Refuse (ValueError) a checked, plain run config this strategy cannot run, before
+        anything starts; the config layer reports it as a config error. Default: all fine."""
+
     @abstractmethod
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
         """Move ``model`` to ``device``, wrap it, and build its optimiser with ``make_optimizer``
         over the parameters that will be trained (after wrapping, for strategies that shard)."""
+
+    def optim_wrapper(self, model: nn.Module, optimizer: Optimizers | None) -> Any:
+        """The optimiser wrapper ``train_step`` gets, for a strategy whose wrapped model steps
+        the optimiser itself; ``None`` (this default): the runner's own `OptimWrapper`."""
+        return None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's model inside the wrapper."""
@@ -84,10 +100,7 @@ class Strategy(ABC):
         if is_main_process():
             state = {"model": self.model_state_dict(model),
                      "optimizer": optimizer_state(optimizer), **extra}
-            with open(path, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+            save_state_file(path, state)
         barrier()
 
     def load_checkpoint(self, path: str, model: nn.Module,
@@ -102,6 +115,19 @@ class Strategy(ABC):
         """Release what the strategy holds before the process group goes away."""
 
 
+def save_state_file(path: str | os.PathLike, state: Any) -> None:
+    """Write ``state`` to ``path`` with torch.save, on disk (fsynced) when this returns."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def load_state_file(path: str) -> dict[str, Any]:
-    """A checkpoint file's content, refusing anything but tensors and plain containers."""
+    """A checkpoint's content, refusing anything but tensors and plain containers; a sharded
+    checkpoint (a directory) comes back whole, as one plain state."""
+    if os.path.isdir(path):
+        from trainrun.wrappers.fsdp import load_sharded_as_full
+
+        return load_sharded_as_full(path)
     return torch.load(path, map_location="cpu", weights_only=True)

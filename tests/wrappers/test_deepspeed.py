@@ -1,0 +1,230 @@
+"""Strategy 'deepspeed': the config it builds, training on 2 gloo ranks under ZeRO 1-3 with the
+losses of ddp, one-process runs, and checkpoints that resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runner.toy import CrashAfter, Killed
+from trainrun.runner.config import ConfigError, load_config
+from trainrun.runner.runner import Runner
+from trainrun.wrappers import build_strategy, is_model_wrapper
+from trainrun.wrappers.deepspeed import deepspeed_config
+
+pytest.importorskip("deepspeed")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2]
+                                                   / ".venv" / "torch_extensions"))
+
+DATASET = "tests.runner.toy.ToyRegression"
+
+
+def _config(options=None, batch_size=8, world_size=2, optim=None, precision="fp32"):
+    return deepspeed_config({**build_strategy("deepspeed").options, **(options or {})},
+                            batch_size, world_size, optim or {}, precision)
+
+
+def test_config_comes_from_the_runs_own_keys():
+    config = _config({"zero_stage": 3, "offload_optimizer": True, "offload_param": True,
+                      "config": {"wall_clock_breakdown": False}},
+                     optim={"accumulate": 2, "clip_grad": {"max_norm": 1.5}}, precision="bf16")
+    assert config["train_micro_batch_size_per_gpu"] == 8
+    assert config["gradient_accumulation_steps"] == 2
+    assert config["train_batch_size"] == 32
+    assert config["gradient_clipping"] == 1.5
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}
+    assert config["wall_clock_breakdown"] is False  # raw keys pass through
+
+
+def test_raw_keys_that_agree_are_accepted():
+    config = _config({"config": {"gradient_accumulation_steps": 4,
+                                 "zero_optimization": {"stage": 2}}}, optim={"accumulate": 4})
+    assert config["zero_optimization"]["stage"] == 2  # zero_stage left unset: config says
+
+
+@pytest.mark.parametrize(("kwargs", "places"), [
+    ({"optim": {"accumulate": 2}, "options": {"config": {"gradient_accumulation_steps": 4}}},
+     ["optim.accumulate", "strategy.config.gradient_accumulation_steps"]),
+    ({"options": {"config": {"train_micro_batch_size_per_gpu": 16}}},
+     ["data.train.batch_size", "strategy.config.train_micro_batch_size_per_gpu"]),
+    ({"options": {"config": {"train_batch_size": 64}}},
+     ["data.train.batch_size x optim.accumulate", "strategy.config.train_batch_size"]),
+    ({"optim": {"clip_grad": 1.0}, "options": {"config": {"gradient_clipping": 2.0}}},
+     ["optim.clip_grad", "strategy.config.gradient_clipping"]),
+    ({"options": {"config": {"bf16": {"enabled": True}}}},
+     ["precision=fp32", "strategy.config.bf16.enabled"]),
+    ({"precision": "fp16", "options": {"config": {"fp16": {"enabled": False}}}},
+     ["precision=fp16", "strategy.config.fp16.enabled"]),
+    ({"options": {"zero_stage": 3, "config": {"zero_optimization": {"stage": 1}}}},
+     ["strategy.zero_stage", "strategy.config.zero_optimization.stage"]),
+])
+def test_a_setting_given_both_ways_differently_is_refused_naming_both(kwargs, places):
+    with pytest.raises(ValueError) as error:
+        _config(**kwargs)
+    for place in places:
+        assert place in str(error.value)
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    ({"config": {"optimizer": {"type": "Adam"}}}, "strategy.config.optimizer"),
+    ({"offload_param": True, "zero_stage": 2}, "stage 3"),
+    ({"zero_stage": 4}, "strategy.zero_stage"),
+    ({"offload_optimizer": "yes"}, "strategy.offload_optimizer"),
+])
+def test_bad_options_are_refused(options, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        _config(options)
+
+
+def _runner(work_dir, strategy, *, max_iters=40, checkpoint=None, resume=False, hooks=(),
+            launcher="none"):
+    return Runner(
+        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
+        train_dataloader={"type": DATASET, "size": 64, "batch_size": 4},
+        val_dataloader={"type": DATASET, "size": 21, "seed": 1, "batch_size": 4},
+        optim={"type": "AdamW", "lr": 0.01, "weight_decay": 0.01},
+        scheduler={"type": "cosine", "warmup_iters": 3},
+        strategy=strategy, schedule={"max_iters": max_iters, "val_interval": 20},
+        randomness={"seed": 7}, logging={"interval": 1, "backends": ["jsonl"]},
+        checkpoint=checkpoint or {"interval": 0}, resume=resume, hooks=hooks, launcher=launcher,
+    )
+
+
+def _records(work_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(work_dir) / "metrics.jsonl").read_text()
+            .splitlines()]
+
+
+def _losses(work_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(work_dir) if "mode" not in r}
+
+
+def _equivalence_body(base, stage):
+    for name, strategy in (("ddp", "ddp"), ("ds", {"type": "deepspeed", "zero_stage": stage})):
+        runner = _runner(f"{base}/{name}", strategy)
+        runner.train()
+        wrapped = is_model_wrapper(runner.model)
+        state = runner.strategy.model_state_dict(runner.model)
+        runner.close()
+    return wrapped, sorted(state), state["net.0.weight"].shape
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
+    """ZeRO 1, 2 and 3 on 2 ranks log ddp's losses (relative 1e-4) at each of 40 steps, and
+    give back whole weights under the plain keys."""
+    for wrapped, keys, shape in run_on(2)(_equivalence_body, str(tmp_path), stage):
+        assert wrapped
+        assert keys == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
+        assert shape == (16, 4)
+    ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
+    assert sorted(ds) == list(range(1, 41))
+    for step, loss in ddp.items():
+        assert ds[step] == pytest.approx(loss, rel=1e-4), step
+    assert [r["step"] for r in _records(tmp_path / "ds") if r.get("mode") == "val"] == [20, 40]
+
+
+def _resume_body(base, stage):
+    strategy = {"type": "deepspeed", "zero_stage": stage}
+    _runner(f"{base}/straight", strategy, max_iters=24).train()
+    checkpoint = {"interval": 5, "max_keep": 2}
+    try:
+        _runner(f"{base}/resumed", strategy, max_iters=24, checkpoint=checkpoint,
+                hooks=[CrashAfter(13)]).train()
+    except Killed:
+        pass
+    runner = _runner(f"{base}/resumed", strategy, max_iters=24, checkpoint=checkpoint,
+                     resume=True)
+    runner.train()
+    final = runner.strategy.model_state_dict(runner.model)
+    runner.close()
+    # the last checkpoint loads as whole weights into another strategy (load_from)
+    ddp = _runner(f"{base}/ddp", "ddp", max_iters=24)
+    ddp.load_weights(f"{base}/resumed/checkpoints/iter_24.pth")
+    loaded = ddp.strategy.model_state_dict(ddp.model)
+    ddp.close()
+    return sorted(loaded) == sorted(final) and all(torch.equal(loaded[k], v)
+                                                   for k, v in final.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_gives_bit_identical_losses(run_on, tmp_path, stage):
+    """A DeepSpeed checkpoint (a directory) at step 10, a crash at 13, a resume: steps 11-24
+    log exactly the losses of a run that never stopped; the last checkpoint loads as weights
+    under ddp."""
+    assert run_on(2)(_resume_body, str(tmp_path), stage) == [True, True]
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    assert (checkpoints / "last").read_text().strip() == "iter_24.pth"
+    assert (checkpoints / "iter_24.pth" / "train_state.pt").is_file()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_20.pth", "iter_24.pth",
+                                                             "last"]
+    expected = _losses(tmp_path / "straight")
+    logged = [r for r in _records(tmp_path / "resumed") if "mode" not in r]
+    after = [(r["step"], r["loss"]) for r in logged[13:]]
+    assert [step for step, _ in after] == list(range(11, 25))
+    for step, loss in after:
+        assert loss == expected[step], step
+
+
+def _single_process_body(work_dir):
+    runner = _runner(work_dir, {"type": "deepspeed", "zero_stage": 2}, max_iters=6)
+    runner.train()
+    state = runner.strategy.model_state_dict(runner.model)
+    runner.close()
+    return sorted(state), torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_run_without_a_process_group_gets_a_one_process_group(run_on, tmp_path):
+    keys, still_grouped = run_on(1)(_single_process_body, str(tmp_path))[0]
+    assert keys == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
+    assert not still_grouped  # the strategy's own group is gone after close()
+    assert sorted(_losses(tmp_path)) == list(range(1, 7))
+
+
+def _load_from_body(base, stage):
+    ddp = _runner(f"{base}/ddp", "ddp", max_iters=4, checkpoint={"interval": 4})
+    ddp.train()
+    expected = ddp.strategy.model_state_dict(ddp.model)
+    ddp.close()
+    runner = _runner(f"{base}/ds", {"type": "deepspeed", "zero_stage": stage}, max_iters=4)
+    runner.load_weights(f"{base}/ddp/checkpoints/iter_4.pth")
+    loaded = runner.strategy.model_state_dict(runner.model)
+    runner.close()
+    return all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_from_a_ddp_checkpoint(run_on, tmp_path, stage):
+    """Whole weights from another strategy's checkpoint load into the (sharded) engine."""
+    assert run_on(2)(_load_from_body, str(tmp_path), stage) == [True, True]
+
+
+def test_a_conflict_is_a_config_error_and_the_cli_exits_2(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    config = root / "configs" / "digits_deepspeed_zero2.yaml"
+    with pytest.raises(ConfigError, match="optim.accumulate.*strategy.config.gradient_acc"):
+        load_config(config, ["optim.accumulate=2",
+                             "strategy.config.gradient_accumulation_steps=4"])
+    work_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(root / "tools" / "train.py"), str(config), "--launcher", "none",
+         "--work-dir", str(work_dir), "--cfg-options", "optim.clip_grad=1.0",
+         "strategy.config.gradient_clipping=2.0"],
+        capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "optim.clip_grad" in errors[0] and \
+        "strategy.config.gradient_clipping" in errors[0], done.stderr
+    assert not work_dir.exists()

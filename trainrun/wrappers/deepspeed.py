@@ -1,0 +1,388 @@
+"""Strategy 'deepspeed': DeepSpeed's engine (ZeRO stages 0 to 3) behind the runner's step contract.
+
+DeepSpeed is imported only inside this strategy's methods, so it is needed only when used.
+The DeepSpeed config is built from the run's own keys (per-rank batch size, ``optim.accumulate``,
+``optim.clip_grad``, ``precision``) and this strategy's options; ``strategy.config`` adds raw
+DeepSpeed keys. A setting given both ways with different values is refused, naming both places.
+
+The engine owns accumulation, clipping and precision, so ``train_step`` gets a
+`DeepSpeedOptimWrapper` (``engine.backward`` then ``engine.step``) instead of the runner's
+`OptimWrapper`. Checkpoints are DeepSpeed's own directories, written and read by every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor, nn
+
+from trainrun.dist import barrier, get_local_rank, get_world_size, is_distributed, is_main_process
+from trainrun.wrappers.base import (
+    MakeOptimizer,
+    Optimizers,
+    Strategy,
+    load_state_file,
+    save_state_file,
+)
+from trainrun.wrappers.base_model import loss_step
+
+log = logging.getLogger("trainrun")
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TRAIN_STATE = "train_state.pt"  # the runner's own state, inside the checkpoint directory
+TAG = "state"  # DeepSpeed's tag: the sub-directory holding its files
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    """The value at ``dotted`` in the nested ``config``, or ``_MISSING``."""
+    value: Any = config
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _put(config: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        config = config.setdefault(part, {})
+    config[last] = value
+
+
+_MISSING = object()
+
+
+def _max_norm(clip_grad: Any) -> float | None:
+    if not clip_grad:
+        return None
+    if isinstance(clip_grad, (int, float)):
+        return float(clip_grad)
+    norm_type = float(clip_grad.get("norm_type", 2.0))
+    if norm_type != 2.0:
+        raise ValueError(f"optim.clip_grad.norm_type={norm_type:g}: DeepSpeed clips only the "
+                         "L2 norm (norm_type 2)")
+    return float(clip_grad["max_norm"])
+
+
+def deepspeed_config(options: Mapping[str, Any], batch_size: int, world_size: int | None,
+                     optim: Mapping[str, Any], precision: str) -> dict[str, Any]:
+    """DeepSpeed's config for this run: the raw ``options['config']`` plus what the run's own
+    keys and this strategy's options say; a key set both ways with different values is a
+    ValueError naming both places. ``world_size`` None (not known yet): no train_batch_size."""
+    raw = _plain(options.get("config") or {})
+    for key in ("optimizer", "scheduler"):
+        if key in raw:
+            raise ValueError(f"strategy.config.{key}: the optimiser and its schedule come from "
+                             f"the config's optim and scheduler sections; remove {key!r}")
+    accumulate = int(optim.get("accumulate") or 1)
+    derived: dict[str, tuple[Any, str]] = {
+        "train_micro_batch_size_per_gpu": (batch_size, "data.train.batch_size"),
+        "gradient_accumulation_steps": (accumulate, "optim.accumulate"),
+        "gradient_clipping": (_max_norm(optim.get("clip_grad")) or 0.0, "optim.clip_grad"),
+        "bf16.enabled": (precision == "bf16", f"precision={precision}"),
+        "fp16.enabled": (precision == "fp16", f"precision={precision}"),
+    }
+    if world_size is not None:
+        derived["train_batch_size"] = (batch_size * accumulate * world_size,
+                                       "data.train.batch_size x optim.accumulate x world size")
+    stage = options.get("zero_stage")
+    if stage is not None:
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise ValueError(f"strategy.zero_stage must be 0, 1, 2 or 3; got {stage!r}")
+        derived["zero_optimization.stage"] = (stage, "strategy.zero_stage")
+    for option, section in (("offload_optimizer", "offload_optimizer"),
+                            ("offload_param", "offload_param")):
+        value = options.get(option)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise ValueError(f"strategy.{option} must be true or false; got {value!r}")
+        derived[f"zero_optimization.{section}.device"] = ("cpu" if value else "none",
+                                                          f"strategy.{option}")
+    config = raw
+    for key, (value, where) in derived.items():
+        given = _lookup(raw, key)
+        if given is not _MISSING and given != value:
+            raise ValueError(f"{where} gives {key}={value!r} but strategy.config.{key} is "
+                             f"{given!r}: set it in one place only")
+        _put(config, key, value)
+    if _lookup(config, "zero_optimization.offload_param.device") == "cpu" and \
+            _lookup(config, "zero_optimization.stage") != 3:
+        raise ValueError("strategy.offload_param needs ZeRO stage 3 (strategy.zero_stage: 3)")
+    # the runner's own torch optimiser also steps offloaded state (DeepSpeed would insist on
+    # its CPU Adam otherwise)
+    config.setdefault("zero_force_ds_cpu_optimizer", False)
+    config.setdefault("steps_per_print", 2**31 - 1)  # the runner logs
+    return config
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    dtype = PRECISION_DTYPES.get(precision)
+    return torch.autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint directory this strategy wrote."""
+    return any((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
+
+
+def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The whole model's fp32 weights, plain keys, from a ZeRO 1-3 checkpoint directory (no
+    process group needed): what ``load_from`` reads into any strategy."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
+
+
+_ds_groups_for: list[Any] = [None]  # the default group DeepSpeed's cached groups belong to
+
+
+def _forget_stale_deepspeed_groups() -> None:
+    """DeepSpeed caches the groups it derives from the default process group in module
+    globals; after that group is destroyed and another created in the same process, they are
+    stale (and unregistered), so they are dropped for DeepSpeed to derive them again."""
+    world = torch_dist.group.WORLD
+    if _ds_groups_for[0] is world:
+        return
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS",
+                 "_EXPERT_DATA_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP_RANKS",
+                 "_ALL_TO_ALL_GROUP"):
+        cached = getattr(groups, name, None)
+        if isinstance(cached, dict):
+            cached.clear()
+    _ds_groups_for[0] = world
+
+
+class MMDeepSpeedEngineWrapper(nn.Module):
+    """A DeepSpeed engine with ``train_step``/``val_step``/``test_step`` and ``.module``."""
+
+    def __init__(self, engine: nn.Module, precision: str = "fp32"):
+        super().__init__()
+        self.engine = engine
+        self.precision = precision
+
+    @property
+    def module(self) -> nn.Module:  # type: ignore[override]
+        return self.engine.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, Tensor]:
+        return loss_step(self.engine, data, optim_wrapper)
+
+    def _eval(self, data: Any, step: str) -> Any:
+        with _autocast(self.precision, self.engine.device.type), torch.no_grad():
+            return getattr(self.engine.module, step)(data)
+
+    def val_step(self, data: Any) -> Any:
+        return self._eval(data, "val_step")
+
+    def test_step(self, data: Any) -> Any:
+        return self._eval(data, "test_step")
+
+
+class DeepSpeedOptimWrapper:
+    """What ``train_step`` gets under DeepSpeed: the engine does backward (loss scaling and
+    division by the accumulation steps), accumulation, clipping and the optimiser step."""
+
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer, precision: str):
+        self.engine = engine
+        self.optimizer = optimizer
+        self.precision = precision
+        self.grad_norm: Tensor | None = None
+
+    def set_total(self, done_iters: int, max_iters: int) -> None:
+        """The engine groups micro-steps itself; a tail of ``max_iters % accumulate`` steps
+        is left unapplied, as in DeepSpeed."""
+
+    @property
+    def will_step(self) -> bool:
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return _autocast(self.precision, self.engine.device.type)
+
+    def update_params(self, loss: Tensor) -> None:
+        self.engine.backward(loss)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        self.grad_norm = None if norm is None else torch.as_tensor(norm)
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the engine's own state travels in its checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed's engine: ZeRO stage 0-3 sharding of optimiser state, gradients, parameters.
+
+    Options left ``None`` are DeepSpeed's defaults (or what ``config`` says).
+    """
+
+    name = "deepspeed"
+    OPTIONS = {
+        "zero_stage": None,  # 0 | 1 | 2 | 3
+        "offload_optimizer": None,  # optimiser state (and step) on the CPU
+        "offload_param": None,  # parameters on the CPU (stage 3 only)
+        "config": None,  # raw DeepSpeed keys, added to what the run's keys give
+    }
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self.settings: dict[str, Any] = {"batch_size": 1, "optim": {}, "precision": "fp32"}
+        self.engine: Any = None
+        self.config: dict[str, Any] | None = None
+        self._own_group = False
+        self._set_local_rank = False
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        """The DeepSpeed config must build from ``cfg`` (no setting given both ways with
+        different values); the total batch size is checked when the job's size is known."""
+        options = {**cls.OPTIONS, **{k: v for k, v in cfg["strategy"].items() if k in cls.OPTIONS}}
+        world_size = os.environ.get("WORLD_SIZE")
+        train = (cfg.get("data") or {}).get("train") or {}
+        deepspeed_config(options, train.get("batch_size") or 1,
+                         int(world_size) if world_size else None, cfg.get("optim") or {},
+                         cfg.get("precision", "fp32"))
+
+    def configure(self, batch_size: int | None, optim: Mapping[str, Any],
+                  precision: str) -> None:
+        self.settings = {"batch_size": batch_size or 1, "optim": dict(optim or {}),
+                         "precision": precision}
+
+    def _ensure_group(self) -> None:
+        """DeepSpeed needs a process group: a run without one gets a 1-process gloo group,
+        which `teardown` destroys."""
+        if not is_distributed():
+            store = tempfile.NamedTemporaryFile(prefix="trainrun-ds-", delete=False)
+            store.close()
+            os.unlink(store.name)
+            torch_dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0,
+                                          world_size=1)
+            self._own_group = True
+        if "LOCAL_RANK" not in os.environ:  # DeepSpeed asserts it is there
+            os.environ["LOCAL_RANK"] = str(get_local_rank())
+            self._set_local_rank = True
+
+    def setup(self, model: nn.Module, device: torch.device,
+              make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
+        settings = self.settings
+        self.config = deepspeed_config(self.options, settings["batch_size"], get_world_size()
+                                       if is_distributed() else 1, settings["optim"],
+                                       settings["precision"])
+        model = model.to(device)
+        if make_optimizer is None:  # evaluation only: no engine needed
+            return model, None
+        optimizer = make_optimizer(model)
+        if isinstance(optimizer, Mapping):
+            raise ValueError("strategy 'deepspeed' takes one optimiser; optim.per_module "
+                             "needs strategy 'separate_ddp'")
+        self._ensure_group()
+        import deepspeed
+
+        _forget_stale_deepspeed_groups()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=self.config)
+        self.engine = engine
+        return MMDeepSpeedEngineWrapper(engine, settings["precision"]), optimizer
+
+    def optim_wrapper(self, model: nn.Module, optimizer: Optimizers | None) -> Any:
+        if self.engine is None or optimizer is None:
+            return None
+        return DeepSpeedOptimWrapper(self.engine, optimizer, self.settings["precision"])
+
+    # ------------------------------------------------------------------ weights
+
+    @contextlib.contextmanager
+    def _gathered(self, model: nn.Module, modifier_rank: int | None) -> Any:
+        """ZeRO-3's partitioned parameters whole for the duration (every rank must enter)."""
+        stage = _lookup(self.config or {}, "zero_optimization.stage")
+        if self.engine is None or stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.unwrap(model).parameters()),
+                                               modifier_rank=modifier_rank):
+            yield
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+        """The whole model with plain keys, on every rank (under ZeRO-3 every rank must call
+        this: the parameters are gathered)."""
+        with self._gathered(model, None):
+            return {k: v.detach().to("cpu", copy=True)
+                    for k, v in self.unwrap(model).state_dict().items()}
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Tensor]) -> None:
+        """Load whole weights on every rank, and refresh the optimiser's fp32 master copies."""
+        with self._gathered(model, 0):
+            self.unwrap(model).load_state_dict(state)
+        refresh = getattr(getattr(self.engine, "optimizer", None), "refresh_fp32_params", None)
+        if refresh is not None:
+            refresh()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
+                        extra: dict[str, Any]) -> None:
+        """DeepSpeed's directory at ``path`` (every rank writes its part) plus the runner's
+        ``extra`` in ``train_state.pt`` from rank 0."""
+        if self.engine is None:
+            return super().save_checkpoint(path, model, optimizer, extra)
+        self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
+        if is_main_process():
+            save_state_file(Path(path) / TRAIN_STATE, extra)
+        barrier()
+        return None
+
+    def load_checkpoint(self, path: str, model: nn.Module,
+                        optimizer: Optimizers | None) -> dict[str, Any]:
+        if not Path(path).is_dir():  # another strategy's single file
+            return super().load_checkpoint(path, model, optimizer)
+        if self.engine is None:
+            raise ValueError(f"{path} is a DeepSpeed checkpoint; resuming it needs training "
+                             "(an optimiser)")
+        loaded, _ = self.engine.load_checkpoint(path, tag=TAG)
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
+        return load_state_file(str(Path(path) / TRAIN_STATE))
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+        if self._own_group and is_distributed():
+            torch_dist.destroy_process_group()
+        if self._set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
+        self._own_group = self._set_local_rank = False

@@ -1,0 +1,317 @@
+"""Strategy 'fsdp': fully sharded data parallel on PyTorch's `fully_shard` (FSDP2).
+
+Every rank keeps only its shard of each parameter, gradient and optimiser state (DTensors);
+parameters are gathered around each shard unit's forward and backward. `fully_shard` trains
+on CPU with gloo as well as on CUDA with NCCL (the older `FullyShardedDataParallel` class
+needs an accelerator). Checkpoints are directories written with
+`torch.distributed.checkpoint`, every rank its own shard, so they reshard: a checkpoint of 2
+ranks resumes on 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, save_state_file
+from trainrun.wrappers.base_model import loss_step
+
+log = logging.getLogger("trainrun")
+
+SHARDINGS = ("full", "grad_op", "none", "hybrid")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+TRAIN_STATE = "train_state.pt"  # the runner's state (rank 0) inside a checkpoint directory
+
+
+def parse_dtype(key: str, name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"strategy.mixed_precision.{key} must be one of "
+                         f"{', '.join(DTYPES)} (or null); got {name!r}")
+    return DTYPES[name]
+
+
+def mixed_precision_policy(options: dict[str, Any] | None) -> MixedPrecisionPolicy:
+    """``{param_dtype, reduce_dtype, output_dtype}`` by name (e.g. 'bf16') as FSDP2's policy."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - {"param_dtype", "reduce_dtype", "output_dtype"})
+    if unknown:
+        raise ValueError(f"strategy.mixed_precision takes param_dtype, reduce_dtype and "
+                         f"output_dtype; not {unknown[0]!r}")
+    return MixedPrecisionPolicy(**{key: parse_dtype(key, value) for key, value in
+                                   options.items()})
+
+
+def device_mesh(sharding: str, device: torch.device, shard_size: int | None) -> DeviceMesh:
+    """1-D over all ranks (full, grad_op), or 2-D (replicate, shard) for none and hybrid."""
+    world = get_world_size()
+    if sharding in ("full", "grad_op"):
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    size = 1 if sharding == "none" else shard_size or get_local_size()
+    if size < 1 or world % size:
+        raise ValueError(f"strategy.hybrid_shard_size must divide the world size {world}; "
+                         f"got {size}")
+    return init_device_mesh(device.type, (world // size, size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_units(model: nn.Module, wrap: dict[str, Any] | None) -> list[nn.Module]:
+    """The submodules that become their own shard units, innermost first: those whose class
+    is named in ``wrap['classes']``, or that hold at least ``wrap['min_params']`` parameters
+    not already in a unit below them."""
+    wrap = dict(wrap or {})
+    unknown = sorted(set(wrap) - {"classes", "min_params"})
+    if unknown:
+        raise ValueError(f"strategy.wrap takes classes and min_params; not {unknown[0]!r}")
+    classes = set(wrap.get("classes") or ())
+    min_params = wrap.get("min_params")
+    found = {type(m).__name__ for m in model.modules()}
+    missing = sorted(classes - found)
+    if missing:
+        raise ValueError(f"strategy.wrap.classes: the model has no module of class "
+                         f"{missing[0]!r}")
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        """Parameters of ``module`` not in a unit (post-order, so children go first)."""
+        free = sum(visit(child) for child in module.children())
+        free += sum(p.numel() for p in module.parameters(recurse=False))
+        if module is model:
+            return free
+        if type(module).__name__ in classes or (min_params is not None and free >= min_params):
+            units.append(module)
+            return 0
+        return free
+
+    visit(model)
+    return units
+
+
+class MMFullyShardedDataParallel(nn.Module):
+    """A model sharded with `fully_shard`, behind ``train_step``/``val_step``/``test_step``.
+
+    ``module`` is the user's model, sharded in place (its parameters become DTensors, its
+    state dict keeps its keys). Arguments, from the config as plain strings and dicts:
+    ``sharding`` full | grad_op (no resharding after forward) | none (replicated) | hybrid
+    (sharded within groups of ``hybrid_shard_size`` ranks, replicated across them);
+    ``mixed_precision`` {param_dtype, reduce_dtype, output_dtype}; ``cpu_offload``;
+    ``wrap`` {classes, min_params}: the submodules that become their own shard units;
+    ``activation_checkpointing``: recompute those units' activations in backward.
+    """
+
+    def __init__(self, module: nn.Module, sharding: str = "full",
+                 mixed_precision: dict[str, Any] | None = None, cpu_offload: bool = False,
+                 wrap: dict[str, Any] | None = None, activation_checkpointing: bool = False,
+                 hybrid_shard_size: int | None = None, device: torch.device | None = None):
+        super().__init__()
+        if sharding not in SHARDINGS:
+            raise ValueError(f"strategy.sharding must be one of {', '.join(SHARDINGS)}; "
+                             f"got {sharding!r}")
+        device = device or next(module.parameters()).device
+        units = shard_units(module, wrap)
+        if activation_checkpointing:
+            if not units:
+                raise ValueError("strategy.activation_checkpointing checkpoints the shard "
+                                 "units: name them with strategy.wrap (classes or min_params)")
+            from torch.distributed._composable import checkpoint
+
+            for unit in units:
+                checkpoint(unit)
+        kwargs: dict[str, Any] = {
+            "mesh": device_mesh(sharding, device, hybrid_shard_size),
+            "reshard_after_forward": sharding != "grad_op",
+            "mp_policy": mixed_precision_policy(mixed_precision),
+        }
+        if cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(module, **kwargs)
+        self.module = module
+        self.units = units
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (micro-steps that do not step)."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, Tensor]:
+        return loss_step(self, data, optim_wrapper)
+
+    def val_step(self, data: Any) -> Any:
+        return self.module.val_step(data)
+
+    def test_step(self, data: Any) -> Any:
+        return self.module.test_step(data)
+
+
+# ---------------------------------------------------------------- reading checkpoints safely
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                 "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint._extension")
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+                 ("builtins", "frozenset"), ("builtins", "slice"), ("torch", "strided"),
+                 ("torch", "contiguous_format"), ("torch", "preserve_format"),
+                 ("torch", "channels_last"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
+                 ("torch._utils", "_rebuild_tensor_v2"),
+                 ("torch.serialization", "_get_layout")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` (a pickle) refusing every global but DCP's own records,
+    dtypes and plain containers: what ``weights_only=True`` is to a torch file."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, "
+                                     "which a checkpoint never needs; refusing to load it")
+
+
+def check_metadata(path: str | os.PathLike) -> None:
+    """Refuse a checkpoint directory whose metadata would run code when unpickled."""
+    with open(Path(path) / ".metadata", "rb") as f:
+        _MetadataUnpickler(f).load()
+
+
+def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint directory as one plain state (full tensors; the runner's train
+    state merged in), read in this process alone: for ``load_from`` under any strategy."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    check_metadata(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, "full.pt")
+        dcp_to_torch_save(str(path), target)
+        state = torch.load(target, map_location="cpu", weights_only=True)
+    train_state = Path(path) / TRAIN_STATE
+    if train_state.is_file():
+        state = {**torch.load(train_state, map_location="cpu", weights_only=True), **state}
+    return state
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every save and load without a group; in a one-process run that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _sharded_state(module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
+    """This rank's shards of model and optimiser, keyed by the plain model's names: what DCP
+    saves, and the template it loads into."""
+    model_state, optim_state = get_state_dict(
+        module, [optimizer] if optimizer is not None else [])
+    return {"model": model_state} if optimizer is None else \
+        {"model": model_state, "optimizer": optim_state}
+
+
+# ---------------------------------------------------------------- the strategy
+
+class FSDPStrategy(Strategy):
+    """Parameters, gradients and optimiser state sharded over ranks (`fully_shard`)."""
+
+    name = "fsdp"
+    OPTIONS = {
+        "sharding": "full",
+        "mixed_precision": None,
+        "cpu_offload": False,
+        "wrap": None,
+        "activation_checkpointing": False,
+        "hybrid_shard_size": None,
+    }
+
+    def setup(self, model: nn.Module, device: torch.device,
+              make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
+        model = model.to(device)
+        if is_distributed():
+            model = MMFullyShardedDataParallel(model, device=device, **self.options)
+        else:
+            log.info("strategy 'fsdp' in a single process: the model is not sharded")
+        optimizer = make_optimizer(self.unwrap(model)) if make_optimizer is not None else None
+        if isinstance(optimizer, dict):
+            raise ValueError("strategy 'fsdp' takes one optimiser over the whole model "
+                             "(optim.per_module is for separate_ddp)")
+        return model, optimizer
+
+    def _sharded(self, model: nn.Module) -> bool:
+        return isinstance(model, MMFullyShardedDataParallel)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full state with the plain model's keys; a collective: call it on every rank."""
+        if not self._sharded(model):
+            return super().model_state_dict(model)
+        state = get_model_state_dict(self.unwrap(model), options=StateDictOptions(
+            full_state_dict=True))
+        return {key: value.cpu() for key, value in state.items()}  # on every rank
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state (every rank holds it) into the shards."""
+        if not self._sharded(model):
+            return super().load_model_state_dict(model, state)
+        set_model_state_dict(self.unwrap(model), state,
+                             options=StateDictOptions(full_state_dict=True))
+        return None
+
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
+                        extra: dict[str, Any]) -> None:
+        """A directory: every rank's shard of model and optimiser (DCP) plus rank 0's
+        ``extra`` in a plain torch file. Called on every rank."""
+        state = _sharded_state(self.unwrap(model), optimizer)
+        if is_main_process():
+            os.makedirs(path, exist_ok=True)
+        barrier()
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=path, no_dist=not is_distributed())
+        if is_main_process():
+            save_state_file(Path(path) / TRAIN_STATE, extra)
+        barrier()
+
+    def load_checkpoint(self, path: str, model: nn.Module,
+                        optimizer: Optimizers | None) -> dict[str, Any]:
+        """Restore model and optimiser on every rank, resharding to this job's ranks; returns
+        the runner's state. Reads checkpoints of any world size."""
+        if not Path(path).is_dir():
+            return super().load_checkpoint(path, model, optimizer)
+        check_metadata(path)
+        module = self.unwrap(model)
+        state = _sharded_state(module, optimizer)
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        set_state_dict(module, [optimizer] if optimizer is not None else [],
+                       model_state_dict=state["model"],
+                       optim_state_dict=state.get("optimizer", {}))
+        return torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True)
