@@ -308,3 +308,21 @@ def test_load_from_across_strategies(run_on, tmp_path, source, target):
         assert trained.keys() == loaded.keys()
         assert all(torch.equal(trained[k], loaded[k]) for k in trained)
 
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("strategy.sharding=fulll", ["strategy.sharding", "'fulll'", "grad_op"]),
+    ("strategy.mixed_precision={param_dtype: fp8}", ["param_dtype", "'fp8'"]),
+    ("strategy.wrap={layers: [Linear]}", ["strategy.wrap", "'layers'"]),
+    ("optim.per_module={net: {}}", ["per_module", "separate_ddp"]),
+])
+def test_bad_fsdp_values_are_config_errors(tmp_path, override, words):
+    """Refused when the config is checked, before any process group or model exists."""
+    from trainrun.runner.config import ConfigError, load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits_fsdp.yaml"
+    with pytest.raises(ConfigError) as error:
+        load_config(str(config), [override], values={"work_dir": str(tmp_path / "run")})
+    for word in words:
+        assert word in str(error.value), str(error.value)
+    assert not (tmp_path / "run").exists()

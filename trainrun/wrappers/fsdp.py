@@ -15,7 +15,7 @@ import os
 import pickle
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -253,6 +253,21 @@ class FSDPStrategy(Strategy):
         "activation_checkpointing": False,
         "hybrid_shard_size": None,
     }
+
+    @classmethod
+    def check_config(cls, cfg: Mapping[str, Any]) -> None:
+        """Option values that need no model: sharding, dtype names, wrap keys, one optimiser."""
+        options = {**cls.OPTIONS, **{k: v for k, v in cfg["strategy"].items() if k in cls.OPTIONS}}
+        if options["sharding"] not in SHARDINGS:
+            raise ValueError(f"strategy.sharding must be one of {', '.join(SHARDINGS)}; "
+                             f"got {options['sharding']!r}")
+        mixed_precision_policy(options["mixed_precision"])
+        unknown = sorted(set(options["wrap"] or {}) - {"classes", "min_params"})
+        if unknown:
+            raise ValueError(f"strategy.wrap takes classes and min_params; not {unknown[0]!r}")
+        if (cfg.get("optim") or {}).get("per_module"):
+            raise ValueError("strategy 'fsdp' takes one optimiser over the whole model "
+                             "(optim.per_module is for separate_ddp)")
 
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
