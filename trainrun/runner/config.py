@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.optim import Optimizer
 
+from trainrun.runner.checks import closest, is_int, is_number, show
 from trainrun.runner.optim import PRECISIONS
 from trainrun.runner.scheduler import check_scheduler, check_total_iters
 from trainrun.wrappers import STRATEGIES
@@ -63,28 +64,8 @@ class ConfigError(ValueError):
 
 # ---------------------------------------------------------------- messages
 
-def show(value: Any) -> str:
-    """A value as the message shows it, in YAML's words for null and booleans."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
-
-
 def bad_value(key: str, value: Any, expected: str) -> ConfigError:
     return ConfigError(f"{key}: got {show(value)}, expected {expected}")
-
-
-def closest(word: str, known: Iterable[str]) -> str | None:
-    """The known name closest to ``word`` (case-insensitive, then through ALIASES)."""
-    known = [k for k in known if isinstance(k, str)]
-    lowered = {k.lower(): k for k in known}
-    found = difflib.get_close_matches(str(word).lower(), list(lowered), n=1)
-    if found:
-        return lowered[found[0]]
-    alias = difflib.get_close_matches(str(word).lower(), list(ALIASES), n=1, cutoff=0.75)
-    return ALIASES[alias[0]] if alias and ALIASES[alias[0]] in known else None
 
 
 def join(key: str, name: Any) -> str:
@@ -93,21 +74,13 @@ def join(key: str, name: Any) -> str:
 
 def unknown_key(key: str, name: Any, known: Iterable[str]) -> ConfigError:
     known = list(known)
-    hint = closest(str(name), known)
+    hint = closest(str(name), known, ALIASES)
     tail = (f"did you mean '{join(key, hint)}'?" if hint
             else f"expected one of {', '.join(known)}" if known else "it takes no options")
     return ConfigError(f"unknown key '{join(key, name)}'; {tail}")
 
 
 # ---------------------------------------------------------------- value checks
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
 
 def _expected(check: Check) -> str:
     return getattr(check, "expected", "a valid value")
@@ -130,15 +103,15 @@ def rule(expected: str, test: Callable[[Any], bool]) -> Check:
 
 def integer(minimum: int, maximum: int | None = None) -> Check:
     if maximum is None:
-        return rule(f"an int >= {minimum}", lambda v: _is_int(v) and v >= minimum)
+        return rule(f"an int >= {minimum}", lambda v: is_int(v) and v >= minimum)
     return rule(f"an int in [{minimum}, {maximum})",
-                lambda v: _is_int(v) and minimum <= v < maximum)
+                lambda v: is_int(v) and minimum <= v < maximum)
 
 
 def number(*, above: float | None = None, at_least: float | None = None) -> Check:
     if above is not None:
-        return rule(f"a number > {above:g}", lambda v: _is_number(v) and v > above)
-    return rule(f"a number >= {at_least:g}", lambda v: _is_number(v) and v >= at_least)
+        return rule(f"a number > {above:g}", lambda v: is_number(v) and v > above)
+    return rule(f"a number >= {at_least:g}", lambda v: is_number(v) and v >= at_least)
 
 
 BOOL = rule("true or false", lambda v: isinstance(v, bool))
@@ -152,7 +125,7 @@ def choice(*options: str) -> Check:
     def check(key: str, value: Any) -> Any:
         if isinstance(value, str) and value in options:
             return value
-        hint = closest(value, options) if isinstance(value, str) else None
+        hint = closest(value, options, ALIASES) if isinstance(value, str) else None
         message = f"{key}: got {show(value)}, expected {expected}"
         raise ConfigError(message + (f"; did you mean {hint!r}?" if hint else ""))
     return expects(expected, check)
@@ -307,7 +280,7 @@ def optimizer_arguments(name: str) -> set[str] | None:
 
 CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}", section({
     "max_norm": (REQUIRED, number(above=0)),
-    "norm_type": (2.0, rule("a number", _is_number)),
+    "norm_type": (2.0, rule("a number", is_number)),
     "error_if_nonfinite": (OPTIONAL, BOOL),
     "foreach": (OPTIONAL, nullable(BOOL)),
 }))
@@ -317,7 +290,7 @@ def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
     """null, or {max_norm, norm_type, ...}; a plain number is the max norm."""
     if value is None:
         return None
-    if _is_number(value):
+    if is_number(value):
         value = {"max_norm": value}
     if not isinstance(value, Mapping):
         raise bad_value(key, value, _expected(CLIP_GRAD))
@@ -350,7 +323,7 @@ def check_optim(key: str, value: Any, where: Callable[[str], str] | None = None)
     extra = {k: v for k, v in value.items() if k not in table and k != "per_module"}
     for name in extra:
         if arguments is not None and name not in arguments:
-            hint = closest(str(name), [*table, "per_module", *sorted(arguments)])
+            hint = closest(str(name), [*table, "per_module", *sorted(arguments)], ALIASES)
             sibling = join(where(name).rpartition(".")[0], hint)
             raise ConfigError(f"unknown key '{where(name)}'; " + (
                 f"did you mean '{sibling}'?" if hint
@@ -445,7 +418,7 @@ def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any
     out = fields(key, value, {
         "interval": (1, integer(0)),
         "max_keep": (3, rule("an int >= 1, or -1 to keep all",
-                             lambda v: _is_int(v) and (v >= 1 or v == -1))),
+                             lambda v: is_int(v) and (v >= 1 or v == -1))),
         "save_last": (True, BOOL),
         "save_best": (None, nullable(TEXT)),
         "best_rule": (None, nullable(choice("greater", "less"))),

@@ -9,7 +9,6 @@ whatever the training schedule counts.
 from __future__ import annotations
 
 import bisect
-import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,20 +17,14 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from trainrun.runner.checks import closest, is_int, is_number, show
+
 REQUIRED = object()  # an option without a default
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_milestones(value: Any) -> bool:
     return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(_is_int(v) and v >= 1 for v in value)
+            and all(is_int(v) and v >= 1 for v in value)
             and all(a < b for a, b in zip(value, value[1:], strict=False)))
 
 
@@ -48,11 +41,11 @@ def _nullable(option: Option) -> Option:
     return Option(None, f"null or {option.expected}", lambda v: v is None or option.test(v))
 
 
-_INT_GE0 = Option(0, "an int >= 0", lambda v: _is_int(v) and v >= 0)
-_FACTOR = Option(0.1, "a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)
-_GAMMA = Option(0.1, "a number > 0", lambda v: _is_number(v) and v > 0)
+_INT_GE0 = Option(0, "an int >= 0", lambda v: is_int(v) and v >= 0)
+_FACTOR = Option(0.1, "a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1)
+_GAMMA = Option(0.1, "a number > 0", lambda v: is_number(v) and v > 0)
 _MIN_LR_RATIO = _nullable(_FACTOR)
-_MIN_LR = _nullable(Option(None, "a number >= 0", lambda v: _is_number(v) and v >= 0))
+_MIN_LR = _nullable(Option(None, "a number >= 0", lambda v: is_number(v) and v >= 0))
 
 _WARMUP = {"warmup_iters": _INT_GE0, "warmup_start_factor": _FACTOR}
 _DECAY = {"min_lr_ratio": _MIN_LR_RATIO, "min_lr": _MIN_LR, **_WARMUP}
@@ -61,7 +54,7 @@ _DECAY = {"min_lr_ratio": _MIN_LR_RATIO, "min_lr": _MIN_LR, **_WARMUP}
 SCHEDULER_OPTIONS: dict[str, dict[str, Option]] = {
     "constant": {**_WARMUP},
     "step": {
-        "step_size": Option(REQUIRED, "an int >= 1 (iterations)", lambda v: _is_int(v) and v >= 1),
+        "step_size": Option(REQUIRED, "an int >= 1 (iterations)", lambda v: is_int(v) and v >= 1),
         "gamma": _GAMMA,
         **_WARMUP,
     },
@@ -73,14 +66,14 @@ SCHEDULER_OPTIONS: dict[str, dict[str, Option]] = {
     },
     "exponential": {
         "gamma": Option(REQUIRED, "a number > 0 (the factor per iteration)",
-                        lambda v: _is_number(v) and v > 0),
+                        lambda v: is_number(v) and v > 0),
         **_WARMUP,
     },
     "linear": {**_DECAY},
     "cosine": {**_DECAY},
-    "poly": {"power": Option(1.0, "a number > 0", lambda v: _is_number(v) and v > 0), **_DECAY},
+    "poly": {"power": Option(1.0, "a number > 0", lambda v: is_number(v) and v > 0), **_DECAY},
     "linear_warmup": {
-        "warmup_iters": Option(REQUIRED, "an int >= 1", lambda v: _is_int(v) and v >= 1),
+        "warmup_iters": Option(REQUIRED, "an int >= 1", lambda v: is_int(v) and v >= 1),
         "start_factor": _FACTOR,
     },
 }
@@ -91,19 +84,6 @@ DECAYING = ("linear", "cosine", "poly")  # these decay over the total iterations
 _SYNONYMS = {"linear_warmup": {"warmup_start_factor": "start_factor"}}
 
 
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
-
-
-def _closest(word: str, options: list[str]) -> str | None:
-    found = difflib.get_close_matches(word, options, n=1)
-    return found[0] if found else None
-
-
 def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> dict[str, Any] | None:
     """The scheduler section with defaults filled; None stays None (a constant rate).
 
@@ -112,20 +92,20 @@ def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> di
     if cfg is None:
         return None
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"{key}: got {_show(cfg)}, expected null or a mapping with a 'type'")
+        raise ValueError(f"{key}: got {show(cfg)}, expected null or a mapping with a 'type'")
     kind = cfg.get("type", REQUIRED)
     if kind is REQUIRED:
         raise ValueError(f"{key}.type: missing, expected one of {', '.join(SCHEDULERS)}")
     if kind not in SCHEDULER_OPTIONS:
-        hint = _closest(str(kind), list(SCHEDULERS))
-        raise ValueError(f"{key}.type: got {_show(kind)}, expected one of {', '.join(SCHEDULERS)}"
+        hint = closest(str(kind), list(SCHEDULERS))
+        raise ValueError(f"{key}.type: got {show(kind)}, expected one of {', '.join(SCHEDULERS)}"
                          + (f"; did you mean {hint!r}?" if hint else ""))
     options = SCHEDULER_OPTIONS[kind]
     given = _rename_synonyms(dict(cfg), kind, key)
     out: dict[str, Any] = {"type": kind}
     for name in given:
         if name != "type" and name not in options:
-            hint = _closest(name, list(options))
+            hint = closest(name, list(options))
             raise ValueError(
                 f"unknown key '{key}.{name}' for scheduler {kind!r}"
                 + (f"; did you mean '{key}.{hint}'?" if hint
@@ -136,7 +116,7 @@ def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> di
             raise ValueError(f"{key}.{name}: missing, expected {option.expected} "
                              f"(scheduler {kind!r} needs it)")
         if not option.test(value):
-            raise ValueError(f"{key}.{name}: got {_show(value)}, expected {option.expected}")
+            raise ValueError(f"{key}.{name}: got {show(value)}, expected {option.expected}")
         out[name] = list(value) if isinstance(value, tuple) else value
     if kind in DECAYING:
         if out["min_lr"] is not None and out["min_lr_ratio"] is not None:
@@ -257,8 +237,8 @@ def build_scheduler(optimizer: Optimizer, cfg: Mapping[str, Any] | None,
                     total_iters: int) -> LRScheduler:
     """An `IterationLR` (a `LambdaLR`) for ``cfg`` (the ``scheduler`` section; None is a
     constant rate), to be stepped once per iteration over ``total_iters`` iterations."""
-    if not _is_int(total_iters) or total_iters < 1:
-        raise ValueError(f"total_iters: got {_show(total_iters)}, expected an int >= 1")
+    if not is_int(total_iters) or total_iters < 1:
+        raise ValueError(f"total_iters: got {show(total_iters)}, expected an int >= 1")
     if cfg is not None and not isinstance(cfg, dict):
         cfg = _plain(cfg)
     checked = check_scheduler(cfg)

@@ -1,0 +1,39 @@
+"""Small helpers that the config and schedule checks share: type tests and message parts."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (YAML's true is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def show(value: Any) -> str:
+    """A value as a message shows it, in YAML's words for null and booleans."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def closest(word: str, known: Iterable[str],
+            aliases: Mapping[str, str] | None = None) -> str | None:
+    """The known name closest to ``word`` ignoring case, else the one a close alias names."""
+    known = [k for k in known if isinstance(k, str)]
+    lowered = {k.lower(): k for k in known}
+    found = difflib.get_close_matches(str(word).lower(), list(lowered), n=1)
+    if found:
+        return lowered[found[0]]
+    aliases = aliases or {}
+    alias = difflib.get_close_matches(str(word).lower(), list(aliases), n=1, cutoff=0.75)
+    return aliases[alias[0]] if alias and aliases[alias[0]] in known else None
