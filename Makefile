@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup train test test-fast bench bench-collectives bench-runner lint
+.PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint lint
 
 setup:
 	@bash tools/bootstrap.sh
@@ -19,13 +19,19 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not slow"
 
-bench: bench-collectives bench-runner
+bench: bench-collectives bench-runner bench-memory bench-checkpoint
 
 bench-collectives: setup
 	@bash bench/run_collectives.sh
 
 bench-runner: setup
 	@bash bench/run_runner_overhead.sh
+
+bench-memory: setup
+	OMP_NUM_THREADS=1 $(PY) bench/memory.py
+
+bench-checkpoint: setup
+	OMP_NUM_THREADS=1 $(PY) bench/checkpoint.py
 
 lint: setup
 	$(VENV)/bin/ruff check trainrun tests tools bench

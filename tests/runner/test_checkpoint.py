@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -156,7 +158,7 @@ def test_a_crash_while_publishing_a_resave_keeps_the_old_file(tmp_path, monkeypa
 
 
 def _runner(work_dir, *, strategy="ddp", resume=False, load_from=None, accumulate=1,
-            interval=2, max_iters=6, hooks=()):
+            interval=2, max_iters=6, hooks=(), background=False):
     return Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
         train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 24,
@@ -164,7 +166,8 @@ def _runner(work_dir, *, strategy="ddp", resume=False, load_from=None, accumulat
         optim={"type": "SGD", "lr": 0.01, "momentum": 0.9, "accumulate": accumulate},
         strategy=strategy, schedule={"max_iters": max_iters}, randomness={"seed": 3},
         logging={"interval": 1, "backends": ["jsonl"]},
-        checkpoint={"interval": interval, "max_keep": 5}, resume=resume, load_from=load_from,
+        checkpoint={"interval": interval, "max_keep": 5, "async": background}, resume=resume,
+        load_from=load_from,
         hooks=hooks,
     )
 
@@ -268,6 +271,113 @@ def test_resume_from_the_last_step_of_an_epoch_is_exact(run_on, tmp_path, world_
     epoch's last step goes on with the next epoch, not the same one again."""
     check_resumed(run_on(world_size), tmp_path, interval=interval, crash_after=interval + 1,
                   max_iters=2 * interval + 1)
+
+
+# ---------------------------------------------------------------- background saves
+
+class HeldWrites(DDPStrategy):
+    """DDP whose background writes are reported done only once ``release`` is set."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.release = threading.Event()
+        self.gate = ThreadPoolExecutor(max_workers=1)
+        self.futures = []
+
+    def save_checkpoint_async(self, path, model, optimizer, extra):
+        written = super().save_checkpoint_async(path, model, optimizer, extra)
+        self.futures.append(self.gate.submit(lambda: (self.release.wait(), written.result())))
+        return self.futures[-1]
+
+
+class Release:
+    """At step ``step`` (before the checkpoint hook polls), lets the held writes finish."""
+
+    priority = 10
+
+    def __init__(self, strategy, step):
+        self.strategy, self.step = strategy, step
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        if runner.iter == self.step:
+            self.strategy.release.set()
+            self.strategy.futures[-1].result()
+
+
+class LastSeen:
+    """What ``checkpoints/last`` names after each step (after the checkpoint hook)."""
+
+    priority = 70
+
+    def __init__(self):
+        self.seen = []
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        last = runner.checkpoints.directory / "last"
+        self.seen.append(last.read_text().strip() if last.exists() else None)
+
+
+def _held_body(work_dir):
+    strategy, seen = HeldWrites(), LastSeen()
+    runner = _runner(work_dir, strategy=strategy, max_iters=8, background=True,
+                     hooks=[Release(strategy, 3), seen])
+    runner.train()
+    runner.close()
+    return seen.seen
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_background_save_is_published_only_when_written(run_on, tmp_path, world_size):
+    """Training goes on while iter_2 is being written; ``last`` names it from the step at
+    which every rank's write is done, never before."""
+    for seen in run_on(world_size)(_held_body, str(tmp_path)):
+        assert seen[:4] == [None, None, "iter_2.pth", "iter_2.pth"]
+    checkpoints = tmp_path / "checkpoints"
+    assert listing(checkpoints) == ["iter_2.pth", "iter_4.pth", "iter_6.pth", "iter_8.pth",
+                                    "last"]
+    assert last_names(checkpoints) == "iter_8.pth"  # the end waits for the last write
+    assert [step for step, _ in _train_losses(tmp_path)] == list(range(1, 9))
+    state = load_state_file(str(checkpoints / "iter_2.pth"))
+    assert state["meta"]["iter"] == 2  # the snapshot of step 2, not a later one
+
+
+def _background_resume_body(straight_dir, work_dir, strategy):
+    runner = _runner(straight_dir, strategy=strategy, max_iters=10, interval=2)
+    runner.train()
+    runner.close()
+    runner = _runner(work_dir, strategy=strategy, max_iters=10, interval=2, background=True,
+                     hooks=[CrashAfter(7)])
+    with pytest.raises(Killed):
+        runner.train()
+    runner.close()
+    runner = _runner(work_dir, strategy=strategy, max_iters=10, interval=2, background=True,
+                     resume=True)
+    runner._resume_or_load()
+    resumed_at = runner.iter
+    runner.train()
+    runner.close()
+    return resumed_at
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_background_saves_resume_exactly(run_on, tmp_path, strategy):
+    """Asynchronous checkpoints (DCP's async_save under fsdp) resume bit for bit: every step
+    logged after the resume has the loss of a run that never stopped."""
+    straight, work_dir = tmp_path / "straight", tmp_path / "resumed"
+    resumed_at = run_on(2)(_background_resume_body, str(straight), str(work_dir), strategy)
+    assert resumed_at[0] == resumed_at[1] and resumed_at[0] in (2, 4, 6)
+    expected = dict(_train_losses(straight))
+    logged = _train_losses(work_dir)
+    assert [step for step, _ in logged] == [*range(1, 8), *range(resumed_at[0] + 1, 11)]
+    for step, loss in logged:
+        assert loss == expected[step], step
+    assert last_names(work_dir / "checkpoints") == "iter_10.pth"
 
 
 # ---------------------------------------------------------------- crafted pickles

@@ -30,14 +30,25 @@ class FakeRunner:
         self.saved: list[tuple[str, bool]] = []
         self.removed: list[Path] = []
         self.validated: list[int] = []
-        self.checkpoints = SimpleNamespace(remove=self.removed.append)
+        self.background: list[str] = []  # the saves asked for with background=True
+        self.polls = self.finishes = 0
+        self.checkpoints = SimpleNamespace(remove=self.removed.append, poll=self._poll,
+                                           finish=self._finish)
+
+    def _poll(self):
+        self.polls += 1
+
+    def _finish(self):
+        self.finishes += 1
 
     def checkpoint_tag(self):
         return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
 
-    def save_checkpoint(self, name=None, update_last=True):
+    def save_checkpoint(self, name=None, update_last=True, background=False):
         name = name or self.checkpoint_tag()
         self.saved.append((name, update_last))
+        if background:
+            self.background.append(name)
         return Path("/ckpt") / f"{name}.pth"
 
     def val(self):
@@ -89,6 +100,17 @@ def test_checkpoint_interval_by_iteration(interval, save_last, expected):
     runner.max_iters = 7  # stops inside the second epoch
     run_schedule(runner, CheckpointHook(interval, save_last))
     assert runner.saved == [(name, True) for name in expected]
+
+
+def test_async_checkpoints_are_periodic_ones_and_the_end_waits():
+    """checkpoint.async: periodic saves go to the background and are polled after every
+    step; the last one is written in the foreground and the end waits for any write."""
+    runner = FakeRunner(by_epoch=False, max_epochs=2)
+    runner.max_iters = 7
+    run_schedule(runner, CheckpointHook(3, True, background=True))
+    assert runner.saved == [("iter_3", True), ("iter_6", True), ("iter_7", True)]
+    assert runner.background == ["iter_3", "iter_6"]
+    assert runner.polls == 7 and runner.finishes == 1
 
 
 @pytest.mark.parametrize(("metric", "rule", "values", "kept"), [

@@ -152,23 +152,42 @@ def _kill_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str) -> N
         proc.communicate()
 
 
+# the shipped ddp config switched to another strategy on the command line, as a sweep does
+SWITCHED = {
+    "ddp": [],
+    "fsdp": ["strategy.type=fsdp"],
+    "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],
+    "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
+}
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path):
-    """A 2-process DDP job SIGKILLed right after its step-30 checkpoint (the middle of the
-    second 20-step epoch) and resumed with --resume logs exactly the losses of a job that never
-    stopped."""
+@pytest.mark.parametrize("strategy", list(SWITCHED))
+def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path, strategy):
+    """A 2-process job SIGKILLed right after its step-30 checkpoint (the middle of the second
+    20-step epoch) and resumed with --resume logs exactly the losses of a job that never
+    stopped: under ddp, and under fsdp, ZeRO-2 and ZeRO-3 chosen with --cfg-options on the
+    ddp config (whose ddp options are then reported once as ignored)."""
+    options = [*SLOW, *SWITCHED[strategy]]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
-                        "--cfg-options", *SLOW))
+                        "--cfg-options", *options))
     assert done.returncode == 0, done.stderr[-3000:]
+    ignored = [line for line in done.stderr.splitlines() if "ignored for" in line]
+    if strategy == "ddp":
+        assert not ignored
+    else:
+        assert [line.count("strategy.") for line in ignored] == [1, 1], ignored  # once each
+        assert "strategy.find_unused_parameters" in ignored[0]
 
     _kill_after_checkpoint(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir",
-                                    str(killed), "--cfg-options", *SLOW), killed, "iter_30.pth")
+                                    str(killed), "--cfg-options", *options),
+                           killed, "iter_30.pth")
     logged_before = {r["step"] for r in train_records(killed)}
     assert 30 in logged_before and 40 not in logged_before  # killed between 30 and the end
 
     done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(killed),
-                        "--resume", "--cfg-options", *SLOW))
+                        "--resume", "--cfg-options", *options))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "step 30" in done.stderr
 

@@ -85,12 +85,13 @@ def test_bad_options_are_refused(options, needle):
 
 
 def _runner(work_dir, strategy, *, max_iters=40, checkpoint=None, resume=False, hooks=(),
-            launcher="none"):
+            launcher="none", optim=None, precision="fp32"):
     return Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
         train_dataloader={"type": DATASET, "size": 64, "batch_size": 4},
         val_dataloader={"type": DATASET, "size": 21, "seed": 1, "batch_size": 4},
-        optim={"type": "AdamW", "lr": 0.01, "weight_decay": 0.01},
+        optim={"type": "AdamW", "lr": 0.01, "weight_decay": 0.01, **(optim or {})},
+        precision=precision,
         scheduler={"type": "cosine", "warmup_iters": 3},
         strategy=strategy, schedule={"max_iters": max_iters, "val_interval": 20},
         randomness={"seed": 7}, logging={"interval": 1, "backends": ["jsonl"]},
@@ -107,23 +108,34 @@ def _losses(work_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _records(work_dir) if "mode" not in r}
 
 
+def _shares_master(strategy) -> bool:
+    """Whether ZeRO-3's fp32 master partitions are the parameter partitions' memory."""
+    zero = strategy.engine.optimizer
+    return all(m.data_ptr() == p.data_ptr() for p, m in
+               zip(zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat,
+                   strict=True))
+
+
 def _equivalence_body(base, stage):
     for name, strategy in (("ddp", "ddp"), ("ds", {"type": "deepspeed", "zero_stage": stage})):
         runner = _runner(f"{base}/{name}", strategy)
         runner.train()
         wrapped = is_model_wrapper(runner.model)
         state = runner.strategy.model_state_dict(runner.model)
+        shared = name == "ddp" or stage != 3 or _shares_master(runner.strategy)
         runner.close()
-    return wrapped, sorted(state), state["net.0.weight"].shape
+    return wrapped, sorted(state), state["net.0.weight"].shape, shared
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
-    """ZeRO 1, 2 and 3 on 2 ranks log ddp's losses (relative 1e-4) at each of 40 steps, and
-    give back whole weights under the plain keys."""
-    for wrapped, keys, shape in run_on(2)(_equivalence_body, str(tmp_path), stage):
+    """ZeRO 1, 2 and 3 on 2 ranks log ddp's losses (relative 1e-4) at each of 40 steps (ZeRO-3
+    with its fp32 master sharing the parameters' memory), and give back whole weights under
+    the plain keys."""
+    for wrapped, keys, shape, shared in run_on(2)(_equivalence_body, str(tmp_path), stage):
         assert wrapped
+        assert shared  # ZeRO-3 in fp32 keeps no second copy of its partition
         assert keys == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
         assert shape == (16, 4)
     ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
@@ -131,6 +143,53 @@ def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
     assert [r["step"] for r in _records(tmp_path / "ds") if r.get("mode") == "val"] == [20, 40]
+
+
+def _options_body(base, strategy, max_iters, optim, precision):
+    """ddp, then ``strategy``, on the same job: their losses and final weights."""
+    out = []
+    for name, chosen in (("ddp", "ddp"), ("ds", strategy)):
+        runner = _runner(f"{base}/{name}", chosen, max_iters=max_iters, optim=optim,
+                         precision=precision)
+        runner.train()
+        out.append(runner.strategy.model_state_dict(runner.model))
+        runner.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "optim", "max_iters"), [
+    (2, {"accumulate": 3, "clip_grad": 0.05}, 20),  # clipping bites; 20 = 6 groups + 2
+    (3, {"accumulate": 3}, 8),
+])
+def test_accumulation_clipping_and_a_short_last_group_match_ddp(run_on, tmp_path, stage, optim,
+                                                                 max_iters):
+    """Accumulating over 3 micro-steps with clipping logs ddp's losses, and the last
+    ``max_iters % 3`` micro-steps are applied as a short group of their own, as under ddp
+    (DeepSpeed alone leaves them out): the final weights agree."""
+    strategy = {"type": "deepspeed", "zero_stage": stage}
+    for ddp, ds in run_on(2)(_options_body, str(tmp_path), strategy, max_iters, optim, "fp32"):
+        for key, value in ddp.items():
+            assert torch.allclose(ds[key], value, rtol=1e-4, atol=1e-6), key
+    ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
+    assert sorted(ds) == list(range(1, max_iters + 1))
+    for step, loss in ddp.items():
+        assert ds[step] == pytest.approx(loss, rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_bf16_with_optimizer_and_parameter_offload_trains_as_ddp_does(run_on, tmp_path):
+    """ZeRO-3 in bf16 with optimiser state and parameters offloaded to the CPU: the losses
+    follow ddp's bf16 run within bf16's rounding, and training lowers them."""
+    strategy = {"type": "deepspeed", "zero_stage": 3, "offload_optimizer": True,
+                "offload_param": True}
+    run_on(2)(_options_body, str(tmp_path), strategy, 30, {"accumulate": 2, "clip_grad": 1.0},
+              "bf16")
+    ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
+    assert sorted(ds) == list(range(1, 31))
+    for step, loss in ddp.items():
+        assert ds[step] == pytest.approx(loss, rel=0.05), step
+    assert sum(ds[s] for s in range(26, 31)) < sum(ds[s] for s in range(1, 6))
 
 
 def _resume_body(base, stage):
@@ -192,23 +251,39 @@ def test_a_run_without_a_process_group_gets_a_one_process_group(run_on, tmp_path
     assert sorted(_losses(tmp_path)) == list(range(1, 7))
 
 
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _load_from_body(base, stage):
     ddp = _runner(f"{base}/ddp", "ddp", max_iters=4, checkpoint={"interval": 4})
     ddp.train()
     expected = ddp.strategy.model_state_dict(ddp.model)
     ddp.close()
-    runner = _runner(f"{base}/ds", {"type": "deepspeed", "zero_stage": stage}, max_iters=4)
+    runner = _runner(f"{base}/ds", {"type": "deepspeed", "zero_stage": stage}, max_iters=4,
+                     checkpoint={"interval": 4})
     runner.load_weights(f"{base}/ddp/checkpoints/iter_4.pth")
-    loaded = runner.strategy.model_state_dict(runner.model)
+    into_engine = _same(runner.strategy.model_state_dict(runner.model), expected)
+    runner.train()  # 4 steps on from those weights, then its own checkpoint (a directory)
+    trained = runner.strategy.model_state_dict(runner.model)
     runner.close()
-    return all(torch.equal(loaded[k], v) for k, v in expected.items())
+    out_of_engine = []
+    for target in ("ddp", "fsdp", "none"):
+        other = _runner(f"{base}/into_{target}", target, max_iters=4)
+        other.load_weights(f"{base}/ds/checkpoints/iter_4.pth")
+        out_of_engine.append(_same(other.strategy.model_state_dict(other.model), trained))
+        other.close()
+    return into_engine, out_of_engine
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_load_from_a_ddp_checkpoint(run_on, tmp_path, stage):
-    """Whole weights from another strategy's checkpoint load into the (sharded) engine."""
-    assert run_on(2)(_load_from_body, str(tmp_path), stage) == [True, True]
+def test_load_from_across_strategies(run_on, tmp_path, stage):
+    """Whole weights from a ddp checkpoint load into the (sharded) engine, and the engine's
+    own checkpoint directory loads as weights into ddp, fsdp and one-process strategies."""
+    for into_engine, out_of_engine in run_on(2)(_load_from_body, str(tmp_path), stage):
+        assert into_engine
+        assert out_of_engine == [True, True, True]
 
 
 def test_a_conflict_is_a_config_error_and_the_cli_exits_2(tmp_path):
@@ -228,3 +303,12 @@ def test_a_conflict_is_a_config_error_and_the_cli_exits_2(tmp_path):
     assert len(errors) == 1 and "optim.clip_grad" in errors[0] and \
         "strategy.config.gradient_clipping" in errors[0], done.stderr
     assert not work_dir.exists()
+
+
+def test_asynchronous_checkpoints_are_refused_at_config_time(tmp_path):
+    """DeepSpeed's engine saves synchronously: `checkpoint.async: true` is a config error."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits_deepspeed_zero2.yaml"
+    with pytest.raises(ConfigError, match=r"checkpoint\.async: got true.*'deepspeed'"):
+        load_config(str(config), ["checkpoint.async=true"],
+                    values={"work_dir": str(tmp_path / "run")})
+    assert not (tmp_path / "run").exists()

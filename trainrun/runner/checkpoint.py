@@ -11,13 +11,18 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
-from trainrun.dist import barrier, broadcast_object_list, is_main_process
-from trainrun.wrappers.base import Optimizers, Strategy
+from trainrun.dist import all_reduce, barrier, broadcast_object_list, is_main_process
+from trainrun.wrappers.base import Optimizers, Strategy, load_state_file
+from trainrun.wrappers.deepspeed import deepspeed_weights, is_deepspeed_checkpoint
+from trainrun.wrappers.fsdp import is_sharded_checkpoint, sharded_model_weights
 
 TMP_PREFIX = ".tmp-"
 LAST = "last"
@@ -49,6 +54,14 @@ def _write_atomically(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+@dataclass
+class _Pending:
+    future: Future
+    tmp: Path
+    final: Path
+    update_last: bool
+
+
 class CheckpointManager:
     """Saves through ``strategy`` into ``directory``, keeping at most ``max_keep`` periodic
     checkpoints (-1: all); the newest and the best are never pruned."""
@@ -59,6 +72,7 @@ class CheckpointManager:
         self.strategy = strategy
         self.max_keep = max_keep
         self.suffix = suffix
+        self._pending: _Pending | None = None  # a background save not yet published
 
     def clean_partial(self) -> None:
         """Remove what a crash during a save left behind (rank 0; call before saving)."""
@@ -68,15 +82,63 @@ class CheckpointManager:
                     _remove(entry)
 
     def save(self, name: str, model: nn.Module, optimizer: Optimizers | None,
-             extra: dict[str, Any], update_last: bool = True) -> Path:
-        """Write checkpoint ``name`` on every rank and publish it; returns its path."""
+             extra: dict[str, Any], update_last: bool = True, background: bool = False) -> Path:
+        """Write checkpoint ``name`` on every rank and publish it; returns its path.
+
+        With ``background``, this returns once the state is copied in memory; the checkpoint
+        is published by a later `poll` or `finish`, when every rank's part is on disk. A
+        background save still running is finished first.
+        """
+        self.finish()
+        self.clean_partial()
         final = self.directory / f"{name}{self.suffix}"
         tmp = self.directory / f"{TMP_PREFIX}{name}{self.suffix}"
         if is_main_process():
             self.directory.mkdir(parents=True, exist_ok=True)
             _remove(tmp)
         barrier()
+        if background:
+            future = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
+            self._pending = _Pending(future, tmp, final, update_last)
+            return final
         self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
+        self._publish(tmp, final, update_last)
+        return final
+
+    def poll(self) -> None:
+        """Publish a background save if every rank's part is written; otherwise return at
+        once. Every rank calls this at the same points (one small all_reduce while a save
+        is pending, none otherwise)."""
+        if self._pending is None:
+            return
+        writing = torch.tensor([0 if self._pending.future.done() else 1])
+        all_reduce(writing, op="max")
+        if writing.item() == 0:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for a background save and publish it (every rank); a write that failed on
+        any rank raises on every rank and leaves ``last`` where it was."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error = pending.future.exception()
+        failed = torch.tensor([0 if error is None else 1])
+        all_reduce(failed, op="max")
+        if failed.item():
+            raise RuntimeError(f"background save of {pending.final.name} failed"
+                               + (f" here: {error!r}" if error else " on another rank")) from error
+        self._publish(pending.tmp, pending.final, pending.update_last)
+
+    def abandon(self) -> None:
+        """Let a background save that will not be published (training failed) end on this
+        rank; what it wrote stays under its temporary name, which the next save removes."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.future.exception()  # waits; a write that failed is of no use now either
+
+    def _publish(self, tmp: Path, final: Path, update_last: bool) -> None:
+        """Rename a complete checkpoint to its name and point ``last`` at it (rank 0)."""
         barrier()  # every rank's part is on disk
         if is_main_process():
             if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
@@ -87,7 +149,6 @@ class CheckpointManager:
                 _write_atomically(self.directory / LAST, final.name + "\n")
                 self._prune()
         barrier()
-        return final
 
     def remove(self, path: Path) -> None:
         if is_main_process():
@@ -112,3 +173,35 @@ class CheckpointManager:
         keep = max(self.max_keep, 1)  # never the newest, which `last` names
         for _, entry in periodic[: max(len(periodic) - keep, 0)]:
             _remove(entry)
+
+
+# ---------------------------------------------------------------- weights of any checkpoint
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself, or the checkpoint that ``last`` names when ``path`` is a work_dir or
+    its ``checkpoints`` directory. Raises FileNotFoundError saying what was looked for."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if not path.is_dir() or is_sharded_checkpoint(path) or is_deepspeed_checkpoint(path):
+        return path
+    for last in (path / LAST, path / "checkpoints" / LAST):
+        if last.is_file():
+            named = last.parent / last.read_text(encoding="utf-8").strip()
+            if not named.exists():
+                raise FileNotFoundError(f"{last} names {named.name}, which is not there")
+            return named
+    raise FileNotFoundError(f"{path}: a directory that is not a checkpoint, and has no "
+                            f"'{LAST}' or 'checkpoints/{LAST}' naming one")
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model's whole state, plain keys, from a checkpoint of any strategy (a file, a
+    sharded directory or a DeepSpeed directory), read in this process with no group."""
+    path = resolve_checkpoint(path)
+    if is_deepspeed_checkpoint(path):
+        return deepspeed_weights(path)
+    if is_sharded_checkpoint(path):
+        return sharded_model_weights(path)
+    state = load_state_file(str(path))
+    return state.get("model", state)

@@ -28,7 +28,7 @@ from trainrun.runner.builder import (
     optimizer_factory,
     wrap_optimizers,
 )
-from trainrun.runner.checkpoint import CheckpointManager
+from trainrun.runner.checkpoint import CheckpointManager, read_weights
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
 from trainrun.runner.logging import MetricsFile, get_logger, setup_logging
@@ -37,8 +37,6 @@ from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
 from trainrun.wrappers import Strategy, build_strategy
-from trainrun.wrappers.base import load_state_file
-from trainrun.wrappers.deepspeed import deepspeed_weights, is_deepspeed_checkpoint
 
 
 class Runner:
@@ -220,7 +218,8 @@ class Runner:
             hooks.append(CheckpointHook(checkpoint.get("interval", 1),
                                         checkpoint.get("save_last", True),
                                         checkpoint.get("save_best"),
-                                        checkpoint.get("best_rule")))
+                                        checkpoint.get("best_rule"),
+                                        checkpoint.get("async", False)))
         hooks.extend(extra)
         return sorted(hooks, key=lambda hook: hook.priority)
 
@@ -292,11 +291,13 @@ class Runner:
                       if hasattr(h, "state_dict")},
         }
 
-    def save_checkpoint(self, name: str | None = None, update_last: bool = True) -> Path:
-        """Save a checkpoint on every rank (all must call this); returns its path."""
-        self.checkpoints.clean_partial()
+    def save_checkpoint(self, name: str | None = None, update_last: bool = True,
+                        background: bool = False) -> Path:
+        """Save a checkpoint on every rank (all must call this); returns its path. With
+        ``background`` it is written while training goes on (see `CheckpointManager.save`)."""
         return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
-                                     self.optimizer, self._train_state(), update_last)
+                                     self.optimizer, self._train_state(), update_last,
+                                     background)
 
     def _resume_or_load(self) -> None:
         path = None
@@ -344,9 +345,7 @@ class Runner:
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path``."""
-        state = deepspeed_weights(path) if is_deepspeed_checkpoint(path) \
-            else load_state_file(str(path))
-        self.strategy.load_model_state_dict(self.model, state.get("model", state))
+        self.strategy.load_model_state_dict(self.model, read_weights(path))
         self.logger.info("loaded weights from %s", path)
 
     # ------------------------------------------------------------------ teardown
@@ -356,6 +355,7 @@ class Runner:
 
         DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
         """
+        self.checkpoints.abandon()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
         self.strategy.teardown()
         gc.collect()

@@ -8,8 +8,11 @@ strategy is one new file with a subclass of `Strategy` and one line in `STRATEGI
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
@@ -56,6 +59,7 @@ class Strategy(ABC):
                 f"its options are: {', '.join(sorted(self.OPTIONS)) or 'none'}"
             )
         self.options = {**self.OPTIONS, **options}
+        self._writer: ThreadPoolExecutor | None = None  # background checkpoint writes
 
     def configure(self, batch_size: int | None, optim: Mapping[str, Any],  # noqa: B027
                   precision: str) -> None:
@@ -103,6 +107,21 @@ class Strategy(ABC):
             save_state_file(path, state)
         barrier()
 
+    def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
+                              extra: dict[str, Any]) -> Future:
+        """`save_checkpoint` that returns once the state is copied in memory: the write goes
+        on in a background thread, and the future ends when this rank's part is on disk.
+        Called on every rank; training may change the model as soon as this returns."""
+        if not is_main_process():
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        state = copy_tensors({"model": self.model_state_dict(model),
+                              "optimizer": optimizer_state(optimizer), **extra})
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainrun-save")
+        return self._writer.submit(save_state_file, path, state)
+
     def load_checkpoint(self, path: str, model: nn.Module,
                         optimizer: Optimizers | None) -> dict[str, Any]:
         """Restore model and optimiser from ``path`` on every rank; returns the extra state."""
@@ -111,8 +130,23 @@ class Strategy(ABC):
         load_optimizer_state(optimizer, state.pop("optimizer", None))
         return state
 
-    def teardown(self) -> None:  # noqa: B027 - optional: most strategies hold nothing
+    def teardown(self) -> None:
         """Release what the strategy holds before the process group goes away."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+
+def copy_tensors(state: Any) -> Any:
+    """``state`` with every tensor in its dicts, lists and tuples copied to new CPU memory:
+    a snapshot that later training steps cannot change."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, Mapping):
+        return {key: copy_tensors(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(copy_tensors(value) for value in state)
+    return state
 
 
 def save_state_file(path: str | os.PathLike, state: Any) -> None:
@@ -130,4 +164,13 @@ def load_state_file(path: str) -> dict[str, Any]:
         from trainrun.wrappers.fsdp import load_sharded_as_full
 
         return load_sharded_as_full(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:  # torch's message is a page; keep its one fact
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        what = found.group(1) if found else str(error).splitlines()[0]
+        raise pickle.UnpicklingError(f"{path}: refused to load: it holds {what}, which a "
+                                     "checkpoint never needs (read with weights_only)") from None
+    except RuntimeError as error:  # not a torch file, or a truncated one
+        raise ValueError(f"{path}: not a readable checkpoint: "
+                         f"{str(error).splitlines()[0]}") from None

@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,14 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
 
-from trainrun.dist import barrier, get_local_rank, get_world_size, is_distributed, is_main_process
+from trainrun.dist import (
+    barrier,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+)
 from trainrun.wrappers.base import (
     MakeOptimizer,
     Optimizers,
@@ -138,6 +147,20 @@ def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextMan
     return torch.autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
 
 
+_PARTITION_RANK = re.compile(r"zero_pp_rank_(\d+)_")
+
+
+def _fsync_own_files(path: str | os.PathLike, rank: int) -> None:
+    """Put on disk what DeepSpeed wrote (it saves without fsync), so that a checkpoint is
+    never published before its bytes are durable: each rank its own partitions' files,
+    rank 0 also the shared ones."""
+    for file in Path(path).rglob("*"):
+        found = _PARTITION_RANK.search(file.name)
+        if file.is_file() and (int(found.group(1)) == rank if found else rank == 0):
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a checkpoint directory this strategy wrote."""
     return any((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
@@ -149,6 +172,31 @@ def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
+
+
+def share_fp32_master(zero_optimizer: Any) -> int:
+    """Under ZeRO-3 with fp32 parameters, make each fp32 master partition share the memory
+    of the parameter partition it copies; returns the bytes freed per rank.
+
+    DeepSpeed means to (stage3.py aliases the two when dtype and device match) but compares a
+    `torch.device` with a device-name string, which is never equal, so each rank keeps a
+    second fp32 copy of its partition: a quarter more state than needed. Right after
+    `deepspeed.initialize` both copies hold the same values, so sharing changes no number.
+    Offloaded and NVMe-swapped partitions live elsewhere and are left alone.
+    """
+    low = getattr(zero_optimizer, "fp16_partitioned_groups_flat", None)
+    master = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None)
+    if not low or not master or getattr(zero_optimizer, "offload_optimizer", True) \
+            or getattr(zero_optimizer, "params_in_nvme_and_cpu", True):
+        return 0
+    freed = 0
+    for param, copy in zip(low, master, strict=True):
+        if (param is not None and copy is not param and copy.dtype == param.dtype
+                and copy.device == param.device and copy.shape == param.shape
+                and copy.data_ptr() != param.data_ptr()):
+            freed += copy.untyped_storage().nbytes()
+            copy.data = param.data
+    return freed
 
 
 _ds_groups_for: list[Any] = [None]  # the default group DeepSpeed's cached groups belong to
@@ -214,20 +262,36 @@ class DeepSpeedOptimWrapper:
         self.optimizer = optimizer
         self.precision = precision
         self.grad_norm: Tensor | None = None
+        self.done = self.tail = self.tail_from = 0  # micro-steps: done, in the short last group
 
     def set_total(self, done_iters: int, max_iters: int) -> None:
-        """The engine groups micro-steps itself; a tail of ``max_iters % accumulate`` steps
-        is left unapplied, as in DeepSpeed."""
+        """Where training starts and ends: the last ``max_iters % accumulate`` micro-steps
+        form a short group of their own that is applied (as the runner's `OptimWrapper`
+        does), where DeepSpeed alone would leave them unapplied."""
+        accumulate = self.engine.gradient_accumulation_steps()
+        self.done = done_iters
+        self.tail = max_iters % accumulate
+        self.tail_from = max_iters - self.tail
+
+    def _in_tail(self, micro_step: int) -> bool:
+        return self.tail > 0 and micro_step > self.tail_from
 
     @property
     def will_step(self) -> bool:
+        if self._in_tail(self.done + 1):
+            return self.done + 1 == self.tail_from + self.tail
         return bool(self.engine.is_gradient_accumulation_boundary())
 
     def optim_context(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return _autocast(self.precision, self.engine.device.type)
 
     def update_params(self, loss: Tensor) -> None:
-        self.engine.backward(loss)
+        self.done += 1
+        if self._in_tail(self.done):  # mean over the short group's micro-steps
+            self.engine.set_gradient_accumulation_boundary(self.done == self.tail_from + self.tail)
+            self.engine.backward(loss / self.tail, scale_wrt_gas=False)
+        else:
+            self.engine.backward(loss)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         self.grad_norm = None if norm is None else torch.as_tensor(norm)
@@ -274,6 +338,10 @@ class DeepSpeedStrategy(Strategy):
         deepspeed_config(options, train.get("batch_size") or 1,
                          int(world_size) if world_size else None, cfg.get("optim") or {},
                          cfg.get("precision", "fp32"))
+        if (cfg.get("checkpoint") or {}).get("async"):
+            raise ValueError("checkpoint.async: got true, expected false with strategy "
+                             "'deepspeed' (its engine writes checkpoints synchronously; ddp "
+                             "and fsdp save in the background)")
 
     def configure(self, batch_size: int | None, optim: Mapping[str, Any],
                   precision: str) -> None:
@@ -314,6 +382,8 @@ class DeepSpeedStrategy(Strategy):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=self.config)
         self.engine = engine
+        if _lookup(self.config, "zero_optimization.stage") == 3:
+            share_fp32_master(engine.optimizer)
         return MMDeepSpeedEngineWrapper(engine, settings["precision"]), optimizer
 
     def optim_wrapper(self, model: nn.Module, optimizer: Optimizers | None) -> Any:
@@ -359,7 +429,13 @@ class DeepSpeedStrategy(Strategy):
         ``extra`` in ``train_state.pt`` from rank 0."""
         if self.engine is None:
             return super().save_checkpoint(path, model, optimizer, extra)
+        if self.engine.micro_steps % self.engine.gradient_accumulation_steps():
+            log.warning("this checkpoint falls between the micro-steps of an accumulation "
+                        "group; DeepSpeed does not save the gradients accumulated so far, so a "
+                        "run resumed from it will differ from one that never stopped (make "
+                        "checkpoint.interval a multiple of optim.accumulate)")
         self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
+        _fsync_own_files(path, get_rank())
         if is_main_process():
             save_state_file(Path(path) / TRAIN_STATE, extra)
         barrier()
@@ -377,7 +453,13 @@ class DeepSpeedStrategy(Strategy):
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
         return load_state_file(str(Path(path) / TRAIN_STATE))
 
+    def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
+                              extra: dict[str, Any]) -> Future:
+        raise ValueError("checkpoint.async: strategy 'deepspeed' writes its checkpoints through "
+                         "its engine, which has no asynchronous save here; use ddp or fsdp")
+
     def teardown(self) -> None:
+        super().teardown()
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None

@@ -16,11 +16,13 @@ import pickle
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -34,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
+from trainrun.dist.timeouts import get_timeout
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, save_state_file
 from trainrun.wrappers.base_model import loss_step
 
@@ -200,10 +203,30 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "which a checkpoint never needs; refusing to load it")
 
 
-def check_metadata(path: str | os.PathLike) -> None:
-    """Refuse a checkpoint directory whose metadata would run code when unpickled."""
+def check_metadata(path: str | os.PathLike) -> Any:
+    """Refuse a checkpoint directory whose metadata would run code when unpickled; returns
+    the metadata (DCP's record of every saved entry's shape and dtype)."""
     with open(Path(path) / ".metadata", "rb") as f:
-        _MetadataUnpickler(f).load()
+        return _MetadataUnpickler(f).load()
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint directory this strategy wrote."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def sharded_model_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The whole model's tensors, plain keys, from a sharded checkpoint directory, read in this
+    process alone without the optimiser's state (a third of the memory of reading it all)."""
+    metadata = check_metadata(path)
+    model = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(entry, "size"):  # tensors, not pickled bytes
+            model[key.removeprefix("model.")] = torch.empty(entry.size,
+                                                            dtype=entry.properties.dtype)
+    with _quiet_single_process():
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    return model
 
 
 def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
@@ -253,6 +276,10 @@ class FSDPStrategy(Strategy):
         "activation_checkpointing": False,
         "hybrid_shard_size": None,
     }
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self._save_group: torch_dist.ProcessGroup | None = None  # async saves' collectives
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -314,6 +341,29 @@ class FSDPStrategy(Strategy):
         if is_main_process():
             save_state_file(Path(path) / TRAIN_STATE, extra)
         barrier()
+
+    def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
+                              extra: dict[str, Any]) -> Future:
+        """`save_checkpoint` through DCP's `async_save`: the shards are copied to CPU memory,
+        then written by a background thread whose collectives run on a gloo group of their
+        own, so they never interleave with training's. Called on every rank."""
+        state = _sharded_state(self.unwrap(model), optimizer)
+        if is_main_process():
+            os.makedirs(path, exist_ok=True)
+            save_state_file(Path(path) / TRAIN_STATE, extra)
+        barrier()
+        if self._save_group is None and is_distributed():
+            self._save_group = torch_dist.new_group(backend="gloo", timeout=get_timeout())
+        with _quiet_single_process():
+            saving = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group,
+                                    no_dist=not is_distributed())
+        return getattr(saving, "upload_completion", saving)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self._save_group is not None and is_distributed():
+            torch_dist.destroy_process_group(self._save_group)
+        self._save_group = None
 
     def load_checkpoint(self, path: str, model: nn.Module,
                         optimizer: Optimizers | None) -> dict[str, Any]:

@@ -15,8 +15,9 @@ class CheckpointHook(Hook):
     priority = 60
 
     def __init__(self, interval: int = 1, save_last: bool = True, save_best: str | None = None,
-                 best_rule: str | None = None):
+                 best_rule: str | None = None, background: bool = False):
         self.interval = interval
+        self.background = background  # periodic saves written while training goes on
         self.save_last = save_last
         self.save_best = save_best
         self.greater = (best_rule == "greater") if best_rule else "loss" not in (save_best or "")
@@ -24,23 +25,26 @@ class CheckpointHook(Hook):
         self.best_path: str | None = None
         self._saved_at: int | None = None
 
-    def _save(self, runner: Any) -> None:
+    def _save(self, runner: Any, background: bool = False) -> None:
         if self._saved_at != runner.iter:
-            runner.save_checkpoint()
+            runner.save_checkpoint(background=background)
             self._saved_at = runner.iter
 
     def after_train_epoch(self, runner: Any) -> None:
         if runner.by_epoch and every(runner.epoch, self.interval):
-            self._save(runner)
+            self._save(runner, self.background)
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
+        if self.background:
+            runner.checkpoints.poll()  # publishes a background save once it is on disk
         if not runner.by_epoch and every(runner.iter, self.interval):
-            self._save(runner)
+            self._save(runner, self.background)
 
     def after_train(self, runner: Any) -> None:
         if self.save_last:
-            self._save(runner)
+            self._save(runner)  # in the foreground: the job ends next
+        runner.checkpoints.finish()
 
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
         if not (self.save_best and runner.training):

@@ -1,0 +1,123 @@
+"""``tools/export.py``: a checkpoint of any strategy as one plain state-dict file for inference.
+
+    python tools/export.py CHECKPOINT OUT [--format safetensors|torch] [--dtype bf16] [--force]
+
+CHECKPOINT is a checkpoint file, a sharded (fsdp) or DeepSpeed directory, or a work_dir (its
+newest checkpoint). The output holds the model's tensors only, under the plain model's names,
+so ``model.load_state_dict(...)`` takes it with no trainrun installed. It is written under a
+temporary name and renamed, so a failed export never leaves a half-written OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+FORMATS = ("safetensors", "torch")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+class ExportError(ValueError):
+    """Input that cannot be exported; the message is one line naming what is wrong."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="export.py", description="Consolidate a checkpoint of any "
+                                "strategy into one plain state-dict file.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a checkpoint file or directory, or a work_dir (its newest checkpoint)")
+    p.add_argument("out", metavar="OUT", help="the file to write")
+    p.add_argument("--format", choices=FORMATS,
+                   help="safetensors, or torch (torch.save); default: torch for a .pt, .pth "
+                        "or .bin OUT, else safetensors")
+    p.add_argument("--dtype", choices=tuple(DTYPES),
+                   help="cast floating-point tensors (default: as saved)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return p
+
+
+def output_format(out: str | os.PathLike, given: str | None) -> str:
+    if given is not None:
+        return given
+    return "torch" if Path(out).suffix in _TORCH_SUFFIXES else "safetensors"
+
+
+def plain_tensors(state: dict[str, object], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """``state`` as contiguous CPU tensors that own their memory (safetensors refuses shared
+    storage, e.g. tied embeddings), floating ones cast to ``dtype`` when given."""
+    out: dict[str, Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, value in state.items():
+        if not isinstance(value, Tensor):
+            raise ExportError(f"entry {name!r} of the model state is a "
+                              f"{type(value).__name__}, not a tensor; only tensors export")
+        tensor = value.detach().to("cpu")
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        storage = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if storage in seen or not tensor.is_contiguous():
+            tensor = tensor.contiguous().clone()
+        seen.add(storage)
+        out[name] = tensor
+    return out
+
+
+def write(tensors: dict[str, Tensor], out: Path, fmt: str, metadata: dict[str, str]) -> None:
+    """Write ``tensors`` to ``out`` through a temporary file in the same directory."""
+    tmp = out.with_name(f".tmp-{out.name}")
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(tmp), metadata=metadata)
+        else:
+            torch.save(tensors, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | None = None,
+           dtype: str | None = None, force: bool = False) -> dict[str, int]:
+    """Write the model state of ``checkpoint`` to ``out``; returns counts for the summary."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ExportError(f"OUT {out} exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise ExportError(f"OUT {out}: directory {out.parent} does not exist")
+    source = resolve_checkpoint(checkpoint)
+    fmt = output_format(out, fmt)
+    tensors = plain_tensors(read_weights(source), DTYPES[dtype] if dtype else None)
+    if not tensors:
+        raise ExportError(f"{source} holds no model tensors")
+    write(tensors, out, fmt, {"format": "pt", "source": str(source)})
+    return {"tensors": len(tensors),
+            "elements": sum(t.numel() for t in tensors.values()),
+            "bytes": out.stat().st_size}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``tools/export.py``: returns the exit code (2: bad input, one line on stderr)."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        counts = export(args.checkpoint, args.out, args.format, args.dtype, args.force)
+    except (ValueError, OSError, pickle.UnpicklingError) as error:
+        print(f"export.py: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {args.out} ({output_format(args.out, args.format)}): {counts['tensors']} "
+          f"tensors, {counts['elements']:,} values, {counts['bytes'] / 2**20:.1f} MiB")
+    return EXIT_OK
