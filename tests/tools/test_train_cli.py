@@ -200,6 +200,63 @@ def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path, strategy):
     assert val_records(killed)[-1] == val_records(straight)[-1]
 
 
+def _signal_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str,
+                             signum: int) -> subprocess.CompletedProcess:
+    """Start ``cmd``, send ``signum`` to its first process once ``checkpoint`` is the newest,
+    and let it end by itself."""
+    last = work_dir / "checkpoints" / "last"
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not (last.exists() and last.read_text().strip() == checkpoint):
+        assert proc.poll() is None, f"the job ended before {checkpoint}"
+        assert time.monotonic() < deadline, f"no {checkpoint} within 120 s"
+        time.sleep(0.01)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_checkpoints_and_resumes_exactly(tmp_path):
+    """torchrun passes SIGTERM on to its workers: they agree on a step, save a checkpoint
+    there and stop; --resume then logs the losses of a job that never stopped."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
+                        "--cfg-options", *SLOW))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _signal_after_checkpoint(torchrun(str(CONFIG), "--launcher", "pytorch",
+                                             "--work-dir", str(stopped), "--cfg-options", *SLOW),
+                                    stopped, "iter_10.pth", signal.SIGTERM)
+    assert "preempted: stopped by SIGTERM after step" in done.stderr, done.stderr[-3000:]
+    last = (stopped / "checkpoints" / "last").read_text().strip()
+    step = int(last.removeprefix("iter_").removesuffix(".pth"))
+    assert 10 <= step < 40  # the step the ranks agreed on (10 if the signal came that early)
+    assert max(r["step"] for r in train_records(stopped)) == step
+
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(stopped),
+                        "--resume", "--cfg-options", *SLOW))
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    resumed = train_records(stopped)
+    assert [r["step"] for r in resumed] == [*range(1, step + 1), *range(step + 1, 41)]
+    assert all(r["loss"] == expected[r["step"]] for r in resumed)  # bit for bit
+
+
+@pytest.mark.slow
+def test_sigusr1_to_a_single_process_exits_75_after_a_checkpoint(tmp_path):
+    """What ``sbatch --signal=USR1@60`` sends, to a run without a launcher: exit code 75."""
+    config = REPO / "configs" / "digits_single.yaml"
+    done = _signal_after_checkpoint(
+        [sys.executable, str(TRAIN), str(config), "--work-dir", str(tmp_path), "--cfg-options",
+         *SLOW], tmp_path, "iter_10.pth", signal.SIGUSR1)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "preempted: stopped by SIGUSR1" in done.stderr
+    assert "Traceback" not in done.stderr
+    last = (tmp_path / "checkpoints" / "last").read_text().strip()
+    assert max(r["step"] for r in train_records(tmp_path)) == int(last[5:-4]) < 40
+
+
 @pytest.mark.slow
 def test_resume_mid_epoch_with_dist_train_sh(tmp_path):
     """tools/dist_train.sh, and a checkpoint in the middle of epoch 1 (step 10)."""

@@ -73,6 +73,7 @@ class CheckpointManager:
         self.max_keep = max_keep
         self.suffix = suffix
         self._pending: _Pending | None = None  # a background save not yet published
+        self.last_saved: Path | None = None  # the newest save asked for (maybe still writing)
 
     def clean_partial(self) -> None:
         """Remove what a crash during a save left behind (rank 0; call before saving)."""
@@ -97,6 +98,7 @@ class CheckpointManager:
             self.directory.mkdir(parents=True, exist_ok=True)
             _remove(tmp)
         barrier()
+        self.last_saved = final
         if background:
             future = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
             self._pending = _Pending(future, tmp, final, update_last)

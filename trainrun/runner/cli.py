@@ -2,7 +2,9 @@
 
 Exit codes: 0 success; 2 a bad config or command line (one line on stderr naming the key or
 argument, no traceback); 1 a failure while running (the traceback, then one line naming the
-rank). Nothing is written before the config is valid, and a dry run writes nothing.
+rank); 75 stopped by SIGTERM or SIGUSR1 after writing a checkpoint (requeued under SLURM
+where allowed; otherwise resume with --resume); 130 interrupted (Ctrl-C). Nothing is
+written before the config is valid, and a dry run writes nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from trainrun.dist import infer_launcher
 from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
 from trainrun.runner.config import LAUNCHERS, ConfigError, dataset_kwargs, load_config
 from trainrun.runner.plan import STARTERS, describe_plan, env_rank
+from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -218,6 +221,10 @@ def run(cfg: DictConfig, method: str) -> int:
         getattr(runner, method)()
     except ConfigError as error:
         return _usage_error(error)
+    except Preempted as stop:
+        if _rank(cfg) == 0:
+            _say(f"preempted: {stop}")
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         _say(f"rank {_rank(cfg)}: interrupted")
         return EXIT_INTERRUPTED

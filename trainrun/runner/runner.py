@@ -30,9 +30,17 @@ from trainrun.runner.builder import (
 )
 from trainrun.runner.checkpoint import CheckpointManager, read_weights
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
+from trainrun.runner.hooks import (
+    CheckpointHook,
+    Hook,
+    IterTimerHook,
+    LoggerHook,
+    PreemptionHook,
+    ValidationHook,
+)
 from trainrun.runner.logging import MetricsFile, get_logger, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop
+from trainrun.runner.preemption import Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
@@ -119,6 +127,7 @@ class Runner:
                                  (schedule or {}).get("val_interval", 1))
         self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
         self.iter = 0  # finished training iterations
+        self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
         self.training = False
         self.failed_at_step: int | None = None  # the step training was in when it raised
         self.train_loop = TrainLoop(self, self.train_dataloader) if self.train_dataloader else None
@@ -220,6 +229,7 @@ class Runner:
                                         checkpoint.get("save_best"),
                                         checkpoint.get("best_rule"),
                                         checkpoint.get("async", False)))
+            hooks.append(PreemptionHook())
         hooks.extend(extra)
         return sorted(hooks, key=lambda hook: hook.priority)
 
@@ -243,7 +253,10 @@ class Runner:
         self.training = True
         self.call_hook("before_run")
         try:
-            self.train_loop.run()
+            with stop_signals() as self.stop_request:
+                self.train_loop.run()
+        except Preempted:
+            raise
         except Exception:
             self.failed_at_step = self.iter + 1
             self.logger.exception("rank %d: training failed at step %d (epoch %d)", self.rank,
@@ -251,6 +264,7 @@ class Runner:
             raise
         finally:
             self.training = False
+            self.stop_request = None
         self.call_hook("after_run")
         return self.model
 

@@ -3,7 +3,9 @@
 from trainrun.runner.hooks.base import Hook
 from trainrun.runner.hooks.checkpoint import CheckpointHook
 from trainrun.runner.hooks.logger import LoggerHook
+from trainrun.runner.hooks.preemption import PreemptionHook
 from trainrun.runner.hooks.timer import IterTimerHook
 from trainrun.runner.hooks.validation import ValidationHook
 
-__all__ = ["CheckpointHook", "Hook", "IterTimerHook", "LoggerHook", "ValidationHook"]
+__all__ = ["CheckpointHook", "Hook", "IterTimerHook", "LoggerHook", "PreemptionHook",
+           "ValidationHook"]

@@ -1,0 +1,145 @@
+"""Stop signals: SIGTERM or SIGUSR1 reaching one rank stops every rank after the same step,
+with a checkpoint from which the run resumes exactly; handlers are put back afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from trainrun.runner.preemption import Preempted, StopRequest, requeue_slurm_job, stop_signals
+from trainrun.runner.runner import Runner
+
+
+def _runner(work_dir, *, resume=False, hooks=(), background=False):
+    return Runner(
+        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
+        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
+                          "batch_size": 4},
+        optim={"type": "AdamW", "lr": 0.01}, strategy="ddp",
+        schedule={"max_iters": 12}, randomness={"seed": 5},
+        logging={"interval": 1, "backends": ["jsonl"]},
+        checkpoint={"interval": 5, "async": background}, resume=resume, hooks=hooks,
+    )
+
+
+class SignalAt:
+    """Sends ``signum`` to this process after ``step``, on ``rank`` only."""
+
+    priority = 30  # before the preemption hook looks
+
+    def __init__(self, step, signum, rank):
+        self.step, self.signum, self.rank = step, signum, rank
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        if runner.iter == self.step and runner.rank == self.rank:
+            os.kill(os.getpid(), self.signum)
+
+
+def _losses(work_dir) -> list[tuple[int, float]]:
+    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "mode" not in r]
+
+
+def _preempted_body(straight, work_dir, signum, rank, background):
+    check_seconds, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0  # every step
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    runner = _runner(straight)
+    runner.train()
+    runner.close()
+    runner = _runner(work_dir, hooks=[SignalAt(7, signum, rank)], background=background)
+    try:
+        runner.train()
+        stopped = None
+    except Preempted as stop:
+        stopped = (stop.step, stop.signal_name, stop.checkpoint, stop.requeued)
+    runner.close()
+    restored = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+    runner = _runner(work_dir, resume=True, background=background)
+    runner.train()
+    runner.close()
+    StopRequest.CHECK_SECONDS = check_seconds
+    return stopped, restored
+
+
+@pytest.mark.parametrize(("world_size", "signum", "rank", "background"), [
+    (2, signal.SIGTERM, 1, False),  # only rank 1 got it
+    (2, signal.SIGUSR1, 0, True),   # sbatch --signal=USR1@60; periodic saves in the background
+    (1, signal.SIGTERM, 0, False),
+])
+def test_a_signal_stops_every_rank_after_the_same_step_and_resumes_exactly(
+        run_on, tmp_path, world_size, signum, rank, background):
+    straight, work_dir = tmp_path / "straight", tmp_path / "stopped"
+    results = run_on(world_size)(_preempted_body, str(straight), str(work_dir), signum, rank,
+                                 background)
+    name = signal.Signals(signum).name
+    stop = 7
+    assert [r[0] for r in results] == [(stop, name, f"iter_{stop}.pth", False)] * world_size
+    assert all(restored for _, restored in results)
+    checkpoints = work_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [  # max_keep 3
+        "iter_10.pth", "iter_12.pth", f"iter_{stop}.pth", "last"]
+    logged, expected = _losses(work_dir), dict(_losses(straight))
+    assert [step for step, _ in logged] == [*range(1, stop + 1), *range(stop + 1, 13)]
+    assert all(loss == expected[step] for step, loss in logged)  # bit for bit
+
+
+def _agree_body(rank_with_signal):
+    import time
+
+    import trainrun.dist as dist
+
+    with stop_signals() as request:
+        if dist.get_rank() == rank_with_signal:
+            request.handler(signal.SIGTERM, None)
+        answers = []
+        for _ in range(40):
+            answers.append(request.agreed())
+            time.sleep(0.02)  # steps of 20 ms: the ranks agree about every 12 steps
+        return answers
+
+
+def test_ranks_agree_on_the_same_steps_about_every_quarter_second(run_on):
+    results = run_on(3)(_agree_body, 2)
+    assert results[0] == results[1] == results[2]
+    agreed_at = [i for i, answer in enumerate(results[0]) if answer == "SIGTERM"]
+    assert agreed_at[:2] == [0, 1]  # the first two boundaries, then the step time is known
+    gaps = [b - a for a, b in zip(agreed_at[1:], agreed_at[2:], strict=False)]
+    assert gaps and all(5 <= gap <= 13 for gap in gaps), agreed_at
+
+
+def test_the_handler_only_records_and_the_previous_handler_comes_back():
+    previous = signal.getsignal(signal.SIGUSR1)
+    with stop_signals() as request:
+        assert request.agreed() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert request.signum == signal.SIGUSR1
+        assert request.agreed() == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is previous
+    assert StopRequest().agreed() is None
+
+
+def test_requeue_needs_a_slurm_job(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert requeue_slurm_job() is False
+    # a job id but an scontrol that refuses: False, with the refusal logged
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\n"
+                    "echo 'Requested operation not supported on this job' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    assert requeue_slurm_job() is False
+    assert (tmp_path / "args").read_text().split() == ["requeue", "41"]
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\nexit 0\n")
+    assert requeue_slurm_job() is True
+    assert (tmp_path / "args").read_text().split() == ["requeue", "40_3"]

@@ -1,0 +1,34 @@
+"""Ends training at a step boundary when a stop signal arrived (see
+`trainrun.runner.preemption`): a checkpoint, a requeue under SLURM, then `Preempted`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainrun.dist import broadcast_object_list, is_main_process
+from trainrun.runner.hooks.base import Hook
+from trainrun.runner.logging import get_logger
+from trainrun.runner.preemption import Preempted, requeue_slurm_job
+
+
+class PreemptionHook(Hook):
+    priority = 70  # after the step's own validation and checkpoint
+
+    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
+                         outputs: dict[str, Any]) -> None:
+        request = getattr(runner, "stop_request", None)
+        if request is None:
+            return
+        signal_name = request.agreed()
+        if signal_name is None or runner.train_done():
+            return  # at the last step the run ends (and saves) by itself
+        logger = get_logger()
+        logger.warning("%s received: saving a checkpoint after step %d, then stopping",
+                       signal_name, runner.iter)
+        runner.checkpoints.finish()  # a background save of this very step may be running
+        path = runner.checkpoints.last_saved
+        if path is None or path.stem != runner.checkpoint_tag():
+            path = runner.save_checkpoint()
+        requeued = [requeue_slurm_job() if is_main_process() else False]
+        broadcast_object_list(requeued)
+        raise Preempted(runner.iter, signal_name, path.name, bool(requeued[0]))

@@ -1,0 +1,118 @@
+"""Stopping cleanly when the cluster asks: SIGTERM (torchrun passing on its own, SLURM at
+preemption or the time limit) or SIGUSR1 (what ``sbatch --signal=USR1@60`` sends).
+
+The handler only records the signal: no collectives and no I/O run inside it. At step
+boundaries (about every quarter of a second) the ranks agree through one small all_reduce of
+that record, so all of them stop after the same step even when the signal reached only some;
+then a checkpoint is written, a
+SLURM job requeues itself where ``scontrol`` allows it, and `Preempted` ends the run (exit
+code `EXIT_PREEMPTED` from the command line).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import torch
+
+from trainrun.dist import all_reduce, get_rank, is_distributed
+
+log = logging.getLogger("trainrun")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request; resume (or requeued) to go on
+
+
+class Preempted(Exception):  # noqa: N818 - a stop, not an error
+    """Training stopped at ``step`` because of ``signal_name``, after saving a checkpoint."""
+
+    def __init__(self, step: int, signal_name: str, checkpoint: str, requeued: bool):
+        self.step, self.signal_name = step, signal_name
+        self.checkpoint, self.requeued = checkpoint, requeued
+        then = "the job is requeued" if requeued else "resume with --resume"
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint "
+                         f"{checkpoint} written; {then}")
+
+
+class StopRequest:
+    """The signal this process received, if any (set by the handler, read between steps).
+
+    Agreeing costs an all_reduce; so that a 10 ms step does not pay it every time, the ranks
+    agree every ``interval`` steps, rank 0 choosing the next interval so that agreements
+    happen about every `CHECK_SECONDS` (at every step when steps are slower than that). The
+    interval travels in the same all_reduce, so every rank checks at the same steps.
+    """
+
+    CHECK_SECONDS = 0.25
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._countdown = 1  # steps until the next agreement
+        self._interval = 1  # steps between the last two agreements
+        self._since: float | None = None  # when the ranks last agreed
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum  # nothing else: a handler runs between any two bytecodes
+
+    def agreed(self) -> str | None:
+        """The name of a stop signal if some rank had one, at the steps the ranks agree on;
+        None otherwise. Every rank calls this at every step boundary; without a group the
+        answer is this process's own, at once."""
+        if not is_distributed():
+            return signal.Signals(self.signum).name if self.signum else None
+        self._countdown -= 1
+        if self._countdown > 0:
+            return None
+        proposal = 0
+        if get_rank() == 0:  # the step time is known from the second agreement on
+            proposal = 1
+            if self._since is not None:
+                per_step = max(time.monotonic() - self._since, 1e-6) / self._interval
+                proposal = max(1, min(1000, int(self.CHECK_SECONDS / per_step)))
+        message = torch.tensor([self.signum or 0, proposal], dtype=torch.int32)
+        all_reduce(message, op="max")
+        signum, interval = (int(v) for v in message.tolist())
+        self._countdown = self._interval = interval
+        self._since = time.monotonic()
+        return signal.Signals(signum).name if signum else None
+
+
+@contextmanager
+def stop_signals() -> Iterator[StopRequest]:
+    """Record SIGTERM and SIGUSR1 instead of dying of them, for the duration; the handlers
+    that were there before come back afterwards. Outside the main thread (where Python cannot
+    install handlers) signals keep their previous handling."""
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous = {signum: signal.signal(signum, request.handler) for signum in STOP_SIGNALS}
+    try:
+        yield request
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue $SLURM_JOB_ID`` when inside a SLURM job; whether it was accepted."""
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job_id = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+    scontrol = shutil.which("scontrol")
+    if not job_id or scontrol is None:
+        return False
+    done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True,
+                          timeout=60)
+    if done.returncode != 0:
+        log.warning("scontrol requeue %s refused: %s", job_id,
+                    (done.stderr or done.stdout).strip() or f"exit {done.returncode}")
+    return done.returncode == 0
