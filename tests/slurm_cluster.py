@@ -20,7 +20,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,13 +112,15 @@ class SlurmCluster:
         return self.run("srun", "--immediate=20", "--time=5", *args, timeout=timeout, **kwargs)
 
     def sbatch(self, script: Path, *args: str, timeout: float = 60,
-               **kwargs) -> subprocess.CompletedProcess[str]:
-        """``sbatch ARGS SCRIPT``. Prefer `submit` + `wait_job` to ``--wait``: sbatch polls
-        every 10 s, which turns a 1 s job into an 11 s one."""
-        return self.run("sbatch", "--time=5", *args, str(script), timeout=timeout, **kwargs)
+               script_args: Sequence[str] = (), **kwargs) -> subprocess.CompletedProcess[str]:
+        """``sbatch ARGS SCRIPT SCRIPT_ARGS``. Prefer `submit` + `wait_job` to ``--wait``:
+        sbatch polls every 10 s, which turns a 1 s job into an 11 s one."""
+        return self.run("sbatch", "--time=5", *args, str(script), *script_args,
+                        timeout=timeout, **kwargs)
 
     def submit(self, script: Path, *args: str, **kwargs) -> int:
-        """Submit ``script`` with sbatch ``args`` and return its job id."""
+        """Submit ``script`` with sbatch ``args`` (and ``script_args=``) and return its job
+        id."""
         result = self.sbatch(script, "--parsable", *args, timeout=30, **kwargs)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")

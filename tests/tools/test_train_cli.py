@@ -258,6 +258,63 @@ def test_sigusr1_to_a_single_process_exits_75_after_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_path):
+    """tools/slurm_train.sbatch on the local SLURM: SIGUSR1 to its tasks (what
+    ``--signal=USR1@120`` sends before the time limit) makes them checkpoint, requeue the
+    job and exit; the requeued job resumes and ends with the losses of an unbroken run."""
+    straight, work_dir = tmp_path / "straight", tmp_path / "job"
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
+                        "--cfg-options", *SLOW))
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = tmp_path / "job.out"
+    job = slurm.submit(REPO / "tools" / "slurm_train.sbatch", "-n", "2", f"--chdir={REPO}",
+                       f"--output={output}",
+                       env={**env(), "CONFIG": str(CONFIG), "PYTHON": sys.executable},
+                       script_args=["--work-dir", str(work_dir), "--cfg-options", *SLOW])
+    last = work_dir / "checkpoints" / "last"
+    deadline = time.monotonic() + 120
+    while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
+        assert slurm.job_state(job) in ("PENDING", "RUNNING"), output.read_text()
+        assert time.monotonic() < deadline, "no iter_10.pth within 120 s"
+        time.sleep(0.05)
+    signalled = slurm.run("scancel", "--signal=USR1", str(job), timeout=10)
+    assert signalled.returncode == 0, signalled.stderr
+    deadline = time.monotonic() + 90
+    while (info := slurm.job_info(job))["Restarts"] == "0" or info["JobState"] != "PENDING":
+        assert info["JobState"] not in ("COMPLETED", "FAILED"), output.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"not requeued within 90 s: {info['JobState']}"
+        time.sleep(0.1)
+    # SLURM holds a requeued job for about two minutes; a test need not wait for that
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", timeout=10)
+    info = slurm.wait_job(job, timeout=120)
+    log = output.read_text()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-3000:]
+    assert "preempted: stopped by SIGUSR1 after step" in log and "the job is requeued" in log
+    assert log.count("step exit 0") == 1, log[-3000:]
+
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    stop = int(log.split("stopped by SIGUSR1 after step ")[1].split(";")[0])
+    assert 10 <= stop < 40 and f"iter_{stop}.pth at epoch" in log  # resumed right there
+    records = train_records(work_dir)  # the stop's step is its checkpoint's: no step twice
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert all(r["loss"] == expected[r["step"]] for r in records)  # bit for bit
+
+
+@pytest.mark.slow
+def test_slurm_train_sh_trains_with_srun(slurm, tmp_path):
+    script = str(REPO / "tools" / "slurm_train.sh")
+    usage = subprocess.run(["bash", script, "debug"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    done = slurm.run("bash", script, "debug", "trainrun-test", str(CONFIG), "--work-dir",
+                     str(tmp_path), "--cfg-options", *SLOW, "model.step_seconds=0",
+                     env={**env(), "TASKS": "2", "GPUS_PER_TASK": "0", "CPUS_PER_TASK": "1",
+                          "SRUN_ARGS": "--time=5", "PYTHON": sys.executable}, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in train_records(tmp_path)] == list(range(1, 41))
+    assert "launcher: slurm" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.slow
 def test_resume_mid_epoch_with_dist_train_sh(tmp_path):
     """tools/dist_train.sh, and a checkpoint in the middle of epoch 1 (step 10)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
