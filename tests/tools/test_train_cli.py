@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -153,26 +154,43 @@ def _kill_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str) -> N
 
 
 # the shipped ddp config switched to another strategy on the command line, as a sweep does
+# (ZeRO-2's exact resume is tested in process, tests/wrappers/test_deepspeed.py)
 SWITCHED = {
     "ddp": [],
     "fsdp": ["strategy.type=fsdp"],
-    "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],
     "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
 }
 
 
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``straight(strategy)``: the work_dir of an uninterrupted SLOW run under that strategy,
+    trained once for all the tests that compare against it."""
+    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def straight(strategy: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if strategy not in runs:
+            work_dir = tmp_path_factory.mktemp("straight") / strategy
+            runs[strategy] = (work_dir, run(torchrun(
+                str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
+                "--cfg-options", *SLOW, *SWITCHED[strategy])))
+        work_dir, done = runs[strategy]
+        assert done.returncode == 0, done.stderr[-3000:]
+        return work_dir, done
+
+    return straight
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(SWITCHED))
-def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path, strategy):
+def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path, strategy, straight_runs):
     """A 2-process job SIGKILLed right after its step-30 checkpoint (the middle of the second
     20-step epoch) and resumed with --resume logs exactly the losses of a job that never
-    stopped: under ddp, and under fsdp, ZeRO-2 and ZeRO-3 chosen with --cfg-options on the
+    stopped: under ddp, and under fsdp and ZeRO-3 chosen with --cfg-options on the
     ddp config (whose ddp options are then reported once as ignored)."""
     options = [*SLOW, *SWITCHED[strategy]]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
-                        "--cfg-options", *options))
-    assert done.returncode == 0, done.stderr[-3000:]
+    killed = tmp_path / "killed"
+    straight, done = straight_runs(strategy)
     ignored = [line for line in done.stderr.splitlines() if "ignored for" in line]
     if strategy == "ddp":
         assert not ignored
@@ -218,13 +236,11 @@ def _signal_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str,
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_checkpoints_and_resumes_exactly(tmp_path):
+def test_sigterm_to_torchrun_checkpoints_and_resumes_exactly(tmp_path, straight_runs):
     """torchrun passes SIGTERM on to its workers: they agree on a step, save a checkpoint
     there and stop; --resume then logs the losses of a job that never stopped."""
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
-                        "--cfg-options", *SLOW))
-    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = tmp_path / "stopped"
+    straight, _ = straight_runs("ddp")
     done = _signal_after_checkpoint(torchrun(str(CONFIG), "--launcher", "pytorch",
                                              "--work-dir", str(stopped), "--cfg-options", *SLOW),
                                     stopped, "iter_10.pth", signal.SIGTERM)
@@ -258,14 +274,13 @@ def test_sigusr1_to_a_single_process_exits_75_after_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_path):
+def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_path,
+                                                                     straight_runs):
     """tools/slurm_train.sbatch on the local SLURM: SIGUSR1 to its tasks (what
     ``--signal=USR1@120`` sends before the time limit) makes them checkpoint, requeue the
     job and exit; the requeued job resumes and ends with the losses of an unbroken run."""
-    straight, work_dir = tmp_path / "straight", tmp_path / "job"
-    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(straight),
-                        "--cfg-options", *SLOW))
-    assert done.returncode == 0, done.stderr[-3000:]
+    work_dir = tmp_path / "job"
+    straight, _ = straight_runs("ddp")
     output = tmp_path / "job.out"
     job = slurm.submit(REPO / "tools" / "slurm_train.sbatch", "-n", "2", f"--chdir={REPO}",
                        f"--output={output}",
