@@ -165,7 +165,8 @@ def _rank_body(layers: int, directory: str, repeats: int) -> dict[str, Any]:
     for kind in STRATEGY_OPTIONS:
         print(f"[checkpoint] rank {get_rank()}: {kind}", file=sys.stderr, flush=True)
         results[kind] = _strategy_times(kind, layers, directory_path, repeats)
-        shutil.rmtree(directory_path / kind, ignore_errors=True) if is_main_process() else None
+        if is_main_process():
+            shutil.rmtree(directory_path / kind, ignore_errors=True)
         barrier()
     return results
 

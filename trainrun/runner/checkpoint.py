@@ -62,6 +62,14 @@ class _Pending:
     update_last: bool
 
 
+def named_by_last(directory: Path) -> Path | None:
+    """The checkpoint that ``directory/last`` names (there or not); None without ``last``."""
+    last = directory / LAST
+    if not last.is_file():
+        return None
+    return directory / last.read_text(encoding="utf-8").strip()
+
+
 class CheckpointManager:
     """Saves through ``strategy`` into ``directory``, keeping at most ``max_keep`` periodic
     checkpoints (-1: all); the newest and the best are never pruned."""
@@ -160,10 +168,8 @@ class CheckpointManager:
         """The checkpoint ``last`` names, if it is there; the same answer on every rank."""
         found = [None]
         if is_main_process():
-            last = self.directory / LAST
-            if last.is_file():
-                candidate = self.directory / last.read_text(encoding="utf-8").strip()
-                found[0] = str(candidate) if candidate.exists() else None
+            candidate = named_by_last(self.directory)
+            found[0] = str(candidate) if candidate is not None and candidate.exists() else None
         broadcast_object_list(found)
         return Path(found[0]) if found[0] else None
 
@@ -187,11 +193,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{path}: no such file or directory")
     if not path.is_dir() or is_sharded_checkpoint(path) or is_deepspeed_checkpoint(path):
         return path
-    for last in (path / LAST, path / "checkpoints" / LAST):
-        if last.is_file():
-            named = last.parent / last.read_text(encoding="utf-8").strip()
+    for directory in (path, path / "checkpoints"):
+        named = named_by_last(directory)
+        if named is not None:
             if not named.exists():
-                raise FileNotFoundError(f"{last} names {named.name}, which is not there")
+                raise FileNotFoundError(f"{directory / LAST} names {named.name}, which is not "
+                                        "there")
             return named
     raise FileNotFoundError(f"{path}: a directory that is not a checkpoint, and has no "
                             f"'{LAST}' or 'checkpoints/{LAST}' naming one")

@@ -114,8 +114,8 @@ class Runner:
         self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
         self.optim_wrapper = self.strategy.optim_wrapper(self.model, self.optimizer)
         if self.optimizer is not None and self.optim_wrapper is None:
-            self.optim_wrapper = wrap_optimizers(self.optimizer, optim if isinstance(
-                optim, Mapping) else {}, precision, self.device.type)
+            self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
+                                                 self.device.type)
 
         self._set_schedule(schedule or {"max_epochs": 10})
         self.schedulers = self._schedulers(scheduler)

@@ -21,6 +21,9 @@ from torch.optim import Optimizer
 
 from trainrun.dist import barrier, is_main_process
 
+# The runner's own state (rank 0's) inside a checkpoint that is a directory (fsdp, deepspeed).
+TRAIN_STATE = "train_state.pt"
+
 # What `setup` returns as the optimiser: one, or one per named submodule.
 Optimizers = Optimizer | dict[str, Optimizer]
 MakeOptimizer = Callable[[nn.Module], Optimizers]
@@ -72,6 +75,13 @@ class Strategy(ABC):
         """Refuse (ValueError) a checked, plain run config this strategy cannot run, before
         anything starts; the config layer reports it as a config error. Default: all fine."""
 
+    @classmethod
+    def options_in(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """This strategy's options as ``cfg['strategy']`` gives them, defaults filled in (other
+        strategies' options left out)."""
+        given = cfg["strategy"]
+        return {**cls.OPTIONS, **{k: v for k, v in given.items() if k in cls.OPTIONS}}
+
     @abstractmethod
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
@@ -102,9 +112,7 @@ class Strategy(ABC):
         holds the whole model. Sharded strategies write a directory, every rank its part.
         """
         if is_main_process():
-            state = {"model": self.model_state_dict(model),
-                     "optimizer": optimizer_state(optimizer), **extra}
-            save_state_file(path, state)
+            save_state_file(path, self._whole_state(model, optimizer, extra))
         barrier()
 
     def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
@@ -116,11 +124,16 @@ class Strategy(ABC):
             done: Future = Future()
             done.set_result(None)
             return done
-        state = copy_tensors({"model": self.model_state_dict(model),
-                              "optimizer": optimizer_state(optimizer), **extra})
+        state = copy_tensors(self._whole_state(model, optimizer, extra))
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainrun-save")
         return self._writer.submit(save_state_file, path, state)
+
+    def _whole_state(self, model: nn.Module, optimizer: Optimizers | None,
+                     extra: dict[str, Any]) -> dict[str, Any]:
+        """What a one-file checkpoint holds: model, optimiser and the runner's ``extra``."""
+        return {"model": self.model_state_dict(model), "optimizer": optimizer_state(optimizer),
+                **extra}
 
     def load_checkpoint(self, path: str, model: nn.Module,
                         optimizer: Optimizers | None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from trainrun.dist import (
     is_main_process,
 )
 from trainrun.wrappers.base import (
+    TRAIN_STATE,
     MakeOptimizer,
     Optimizers,
     Strategy,
@@ -46,7 +47,6 @@ from trainrun.wrappers.base_model import loss_step
 log = logging.getLogger("trainrun")
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-TRAIN_STATE = "train_state.pt"  # the runner's own state, inside the checkpoint directory
 TAG = "state"  # DeepSpeed's tag: the sub-directory holding its files
 
 
@@ -332,7 +332,7 @@ class DeepSpeedStrategy(Strategy):
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         """The DeepSpeed config must build from ``cfg`` (no setting given both ways with
         different values); the total batch size is checked when the job's size is known."""
-        options = {**cls.OPTIONS, **{k: v for k, v in cfg["strategy"].items() if k in cls.OPTIONS}}
+        options = cls.options_in(cfg)
         world_size = os.environ.get("WORLD_SIZE")
         train = (cfg.get("data") or {}).get("train") or {}
         deepspeed_config(options, train.get("batch_size") or 1,

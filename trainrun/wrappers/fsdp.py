@@ -37,7 +37,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
 from trainrun.dist.timeouts import get_timeout
-from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, save_state_file
+from trainrun.wrappers.base import (
+    TRAIN_STATE,
+    MakeOptimizer,
+    Optimizers,
+    Strategy,
+    load_state_file,
+    save_state_file,
+)
 from trainrun.wrappers.base_model import loss_step
 
 log = logging.getLogger("trainrun")
@@ -45,7 +52,6 @@ log = logging.getLogger("trainrun")
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-TRAIN_STATE = "train_state.pt"  # the runner's state (rank 0) inside a checkpoint directory
 
 
 def parse_dtype(key: str, name: str | None) -> torch.dtype | None:
@@ -68,6 +74,18 @@ def mixed_precision_policy(options: dict[str, Any] | None) -> MixedPrecisionPoli
                                    options.items()})
 
 
+def check_sharding(sharding: Any) -> None:
+    if sharding not in SHARDINGS:
+        raise ValueError(f"strategy.sharding must be one of {', '.join(SHARDINGS)}; "
+                         f"got {sharding!r}")
+
+
+def check_wrap_keys(wrap: Mapping[str, Any] | None) -> None:
+    unknown = sorted(set(wrap or {}) - {"classes", "min_params"})
+    if unknown:
+        raise ValueError(f"strategy.wrap takes classes and min_params; not {unknown[0]!r}")
+
+
 def device_mesh(sharding: str, device: torch.device, shard_size: int | None) -> DeviceMesh:
     """1-D over all ranks (full, grad_op), or 2-D (replicate, shard) for none and hybrid."""
     world = get_world_size()
@@ -85,10 +103,8 @@ def shard_units(model: nn.Module, wrap: dict[str, Any] | None) -> list[nn.Module
     """The submodules that become their own shard units, innermost first: those whose class
     is named in ``wrap['classes']``, or that hold at least ``wrap['min_params']`` parameters
     not already in a unit below them."""
+    check_wrap_keys(wrap)
     wrap = dict(wrap or {})
-    unknown = sorted(set(wrap) - {"classes", "min_params"})
-    if unknown:
-        raise ValueError(f"strategy.wrap takes classes and min_params; not {unknown[0]!r}")
     classes = set(wrap.get("classes") or ())
     min_params = wrap.get("min_params")
     found = {type(m).__name__ for m in model.modules()}
@@ -130,9 +146,7 @@ class MMFullyShardedDataParallel(nn.Module):
                  wrap: dict[str, Any] | None = None, activation_checkpointing: bool = False,
                  hybrid_shard_size: int | None = None, device: torch.device | None = None):
         super().__init__()
-        if sharding not in SHARDINGS:
-            raise ValueError(f"strategy.sharding must be one of {', '.join(SHARDINGS)}; "
-                             f"got {sharding!r}")
+        check_sharding(sharding)
         device = device or next(module.parameters()).device
         units = shard_units(module, wrap)
         if activation_checkpointing:
@@ -241,7 +255,7 @@ def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
         state = torch.load(target, map_location="cpu", weights_only=True)
     train_state = Path(path) / TRAIN_STATE
     if train_state.is_file():
-        state = {**torch.load(train_state, map_location="cpu", weights_only=True), **state}
+        state = {**load_state_file(str(train_state)), **state}
     return state
 
 
@@ -260,6 +274,15 @@ def _sharded_state(module: nn.Module, optimizer: Optimizers | None) -> dict[str,
         module, [optimizer] if optimizer is not None else [])
     return {"model": model_state} if optimizer is None else \
         {"model": model_state, "optimizer": optim_state}
+
+
+def _start_directory(path: str, extra: dict[str, Any]) -> None:
+    """Rank 0 creates checkpoint directory ``path`` and writes the runner's ``extra`` in it;
+    every rank returns once it exists, ready for its shard."""
+    if is_main_process():
+        os.makedirs(path, exist_ok=True)
+        save_state_file(Path(path) / TRAIN_STATE, extra)
+    barrier()
 
 
 # ---------------------------------------------------------------- the strategy
@@ -284,14 +307,10 @@ class FSDPStrategy(Strategy):
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         """Option values that need no model: sharding, dtype names, wrap keys, one optimiser."""
-        options = {**cls.OPTIONS, **{k: v for k, v in cfg["strategy"].items() if k in cls.OPTIONS}}
-        if options["sharding"] not in SHARDINGS:
-            raise ValueError(f"strategy.sharding must be one of {', '.join(SHARDINGS)}; "
-                             f"got {options['sharding']!r}")
+        options = cls.options_in(cfg)
+        check_sharding(options["sharding"])
         mixed_precision_policy(options["mixed_precision"])
-        unknown = sorted(set(options["wrap"] or {}) - {"classes", "min_params"})
-        if unknown:
-            raise ValueError(f"strategy.wrap takes classes and min_params; not {unknown[0]!r}")
+        check_wrap_keys(options["wrap"])
         if (cfg.get("optim") or {}).get("per_module"):
             raise ValueError("strategy 'fsdp' takes one optimiser over the whole model "
                              "(optim.per_module is for separate_ddp)")
@@ -333,13 +352,9 @@ class FSDPStrategy(Strategy):
         """A directory: every rank's shard of model and optimiser (DCP) plus rank 0's
         ``extra`` in a plain torch file. Called on every rank."""
         state = _sharded_state(self.unwrap(model), optimizer)
-        if is_main_process():
-            os.makedirs(path, exist_ok=True)
-        barrier()
+        _start_directory(path, extra)
         with _quiet_single_process():
             dcp.save(state, checkpoint_id=path, no_dist=not is_distributed())
-        if is_main_process():
-            save_state_file(Path(path) / TRAIN_STATE, extra)
         barrier()
 
     def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
@@ -348,10 +363,7 @@ class FSDPStrategy(Strategy):
         then written by a background thread whose collectives run on a gloo group of their
         own, so they never interleave with training's. Called on every rank."""
         state = _sharded_state(self.unwrap(model), optimizer)
-        if is_main_process():
-            os.makedirs(path, exist_ok=True)
-            save_state_file(Path(path) / TRAIN_STATE, extra)
-        barrier()
+        _start_directory(path, extra)
         if self._save_group is None and is_distributed():
             self._save_group = torch_dist.new_group(backend="gloo", timeout=get_timeout())
         with _quiet_single_process():
@@ -379,4 +391,4 @@ class FSDPStrategy(Strategy):
         set_state_dict(module, [optimizer] if optimizer is not None else [],
                        model_state_dict=state["model"],
                        optim_state_dict=state.get("optimizer", {}))
-        return torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True)
+        return load_state_file(str(Path(path) / TRAIN_STATE))
