@@ -299,7 +299,11 @@ def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_
         assert info["JobState"] not in ("COMPLETED", "FAILED"), output.read_text()[-3000:]
         assert time.monotonic() < deadline, f"not requeued within 90 s: {info['JobState']}"
         time.sleep(0.1)
-    # SLURM holds a requeued job for about two minutes; a test need not wait for that
+    # SLURM holds a requeued job for about two minutes; a test need not wait for that, but
+    # releasing it while the node still cleans up the first run (COMPLETING) can fail it
+    while slurm.node_state() != "idle":
+        assert time.monotonic() < deadline, f"node still {slurm.node_state()!r} after 90 s"
+        time.sleep(0.1)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", timeout=10)
     info = slurm.wait_job(job, timeout=120)
     log = output.read_text()
