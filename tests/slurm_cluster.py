@@ -53,7 +53,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge.socket
+AuthInfo=socket={root}/munge.socket,cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 ProctrackType=proctrack/linuxproc

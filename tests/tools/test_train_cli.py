@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -299,15 +300,12 @@ def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_
         assert info["JobState"] not in ("COMPLETED", "FAILED"), output.read_text()[-3000:]
         assert time.monotonic() < deadline, f"not requeued within 90 s: {info['JobState']}"
         time.sleep(0.1)
-    # SLURM holds a requeued job for about two minutes; a test need not wait for that, but
-    # releasing it while the node still cleans up the first run (COMPLETING) can fail it
-    while slurm.node_state() != "idle":
-        assert time.monotonic() < deadline, f"node still {slurm.node_state()!r} after 90 s"
-        time.sleep(0.1)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", timeout=10)
+    # SLURM starts a requeued job again once the job's credentials have expired (cred_expire,
+    # 10 s on the test cluster; 120 s by default); releasing it sooner can fail its launch
     info = slurm.wait_job(job, timeout=120)
     log = output.read_text()
-    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-3000:]
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), \
+        log[-3000:] + "\n" + slurm.logs()
     assert "preempted: stopped by SIGUSR1 after step" in log and "the job is requeued" in log
     assert log.count("step exit 0") == 1, log[-3000:]
 
@@ -397,12 +395,74 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_exits_1_naming_rank_and_step(tmp_path):
+def test_a_failing_rank_stops_every_rank_at_once_with_its_error(tmp_path):
+    started = time.monotonic()
     done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path),
                         "--cfg-options", *SHORT, "model.type=tests.tools.models.FailingDigitsMLP",
                         "model.fail_at=3", "model.fail_rank=1", "dist_timeout=60"))
+    assert time.monotonic() - started < 40  # nobody waited for the 60 s timeout
     assert done.returncode != 0
     assert "rank 1, step 3: RuntimeError: injected failure" in done.stderr, done.stderr[-3000:]
+    # rank 0 says once why the job stopped, without a traceback of its own
+    assert done.stderr.count("stopping every rank: rank 1 failed at step 3 in forward: "
+                             "RuntimeError: injected failure") == 1, done.stderr[-3000:]
+    assert done.stderr.count("training failed at step") == 1, done.stderr[-3000:]  # rank 1
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of ``rank`` (the one with RANK=rank in its environment)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
+    """Rank 1 stopped with SIGSTOP after the first checkpoint: rank 0 names it (silent since
+    when, last seen where) once ``dist_timeout`` has passed, and the job ends by itself."""
+    last = tmp_path / "checkpoints" / "last"
+    cmd = torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path),
+                   "--cfg-options", *SLOW, "model.step_seconds=0.2", "dist_timeout=20")
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
+            assert proc.poll() is None, "the job ended before iter_10.pth"
+            assert time.monotonic() - started < 120, "no iter_10.pth within 120 s"
+            time.sleep(0.01)
+        frozen = _worker_pid(proc.pid, 1)
+        assert frozen is not None, "rank 1's process not found"
+        os.kill(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        out, err = proc.communicate(timeout=90)
+        ended = time.monotonic() - stopped
+        assert not _alive(frozen), "the frozen rank was left behind"
+    finally:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0 and ended < 90
+    assert 20 <= ended, f"ended {ended:.0f} s after the freeze, before dist_timeout"
+    lines = [line for line in err.splitlines() if "rank 1 silent for" in line]
+    assert len(lines) == 1, err[-3000:]
+    assert re.search(r"rank 1 silent for 2\d s, last seen at step 1[01] in [a-z_ ]+; "
+                     r"rank 0 waiting at step 1[01] in [a-z_ ]+$", lines[0]), lines[0]
 
 
 # ---------------------------------------------------------------- the other launchers

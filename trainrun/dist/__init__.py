@@ -23,6 +23,14 @@ from trainrun.dist.collectives import (
     sync_random_seed,
 )
 from trainrun.dist.device import cast_data_device, get_comm_device, get_data_device, get_device
+from trainrun.dist.heartbeat import (
+    PeerFailure,
+    at_step,
+    is_comm_error,
+    phase,
+    set_phase,
+    watch_ranks,
+)
 from trainrun.dist.info import (
     barrier,
     get_backend,
@@ -58,13 +66,14 @@ from trainrun.dist.timeouts import DistTimeoutError
 
 __all__ = [
     "BACKENDS", "DIST_BACKENDS", "LAUNCHERS", "REDUCE_OPS",
-    "BaseDistBackend", "DistInitError", "DistTimeoutError", "Handle",
+    "BaseDistBackend", "DistInitError", "DistTimeoutError", "Handle", "PeerFailure",
     "all_gather", "all_gather_object", "all_reduce", "all_reduce_dict", "all_reduce_params",
+    "at_step",
     "barrier", "broadcast", "broadcast_object_list", "cast_data_device", "collect_results",
     "collect_results_cpu", "collect_results_gpu", "expand_nodelist", "gather", "gather_object",
     "get_backend", "get_comm_device", "get_data_device", "get_default_group", "get_device",
     "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank", "get_local_size",
     "get_rank", "get_world_size", "infer_launcher", "init_dist", "init_local_group",
-    "is_distributed", "is_main_process", "master_only", "reduce", "set_default_dist_backend",
-    "sync_random_seed",
+    "is_comm_error", "is_distributed", "is_main_process", "master_only", "phase", "reduce",
+    "set_default_dist_backend", "set_phase", "sync_random_seed", "watch_ranks",
 ]

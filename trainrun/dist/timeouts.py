@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 from torch.distributed import ProcessGroup
 
+from trainrun.dist.heartbeat import phase
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 # The timeout `init_dist` applied, for error messages.
@@ -61,9 +63,11 @@ def _looks_like_timeout(exc: BaseException) -> bool:
 
 @contextmanager
 def named_operation(name: str, group: ProcessGroup | None = None) -> Iterator[None]:
-    """Turn a backend's timeout error inside the block into one naming ``name`` and the timeout."""
+    """Turn a backend's timeout error inside the block into one naming ``name`` and the timeout;
+    the heartbeat reports this rank as in ``name`` meanwhile."""
     try:
-        yield
+        with phase(name):
+            yield
     except RuntimeError as exc:
         if isinstance(exc, DistTimeoutError) or not _looks_like_timeout(exc):
             raise

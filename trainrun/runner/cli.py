@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trainrun.dist import infer_launcher
+from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
 from trainrun.runner.config import LAUNCHERS, ConfigError, dataset_kwargs, load_config
 from trainrun.runner.plan import STARTERS, describe_plan, env_rank
@@ -228,6 +228,10 @@ def run(cfg: DictConfig, method: str) -> int:
     except KeyboardInterrupt:
         _say(f"rank {_rank(cfg)}: interrupted")
         return EXIT_INTERRUPTED
+    except PeerFailure as error:  # one line for the job, from one rank; no traceback
+        if not error.said:
+            _say(f"error: {error}")
+        return EXIT_FAILED
     except SystemExit:
         raise
     except BaseException as error:  # checkpoint errors derive from BaseException

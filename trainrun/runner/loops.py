@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from trainrun.dist import at_step, phase, set_phase
 from trainrun.runner.optim import PRECISIONS
 from trainrun.runner.sampler import ResumableSampler
 
@@ -68,9 +69,14 @@ class TrainLoop:
         runner.call_hook("before_train_epoch")
         runner.model.train()
         finished = True
+        at_step(runner.iter + 1)
+        set_phase("data loading")
         for batch_idx, batch in enumerate(loader):
+            set_phase("hooks")
             runner.call_hook("before_train_iter", batch_idx, batch)
-            outputs = runner.model.train_step(to_device(batch, runner.device), runner.optim_wrapper)
+            with phase("train step"):
+                outputs = runner.model.train_step(to_device(batch, runner.device),
+                                                  runner.optim_wrapper)
             runner.iter += 1
             if isinstance(sampler, ResumableSampler):
                 sampler.cursor = min(start_cursor + (batch_idx + 1) * step_samples,
@@ -81,6 +87,9 @@ class TrainLoop:
             if not runner.by_epoch and runner.iter >= runner.max_iters:
                 finished = batch_idx + 1 == len(loader)
                 break
+            at_step(runner.iter + 1)
+            set_phase("data loading")
+        set_phase("hooks")
         if finished:
             if isinstance(sampler, ResumableSampler):
                 sampler.cursor = sampler.dataset_len
@@ -99,6 +108,10 @@ class EvalLoop:
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
+        with phase(self.mode):
+            return self._run()
+
+    def _run(self) -> dict[str, float]:
         runner = self.runner
         runner.call_hook(f"before_{self.mode}")
         start_epoch(self.dataloader, 0, runner.seed)

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from trainrun.dist import phase
+
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -76,11 +78,13 @@ class OptimWrapper:
         group = self.group_size()
         if group > 1:
             loss = loss / group
-        self.backward(loss)
+        with phase("backward"):
+            self.backward(loss)
         self.micro_steps += 1
         self.iters += 1
         if self.micro_steps >= group:
-            self.step()
+            with phase("optimizer step"):
+                self.step()
             self.zero_grad()
             self.micro_steps = 0
 

@@ -20,7 +20,19 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainrun.dist import barrier, gather_object, get_dist_info, init_dist, is_distributed
+from trainrun.dist import (
+    PeerFailure,
+    barrier,
+    gather_object,
+    get_dist_info,
+    init_dist,
+    is_comm_error,
+    is_distributed,
+    phase,
+    watch_ranks,
+)
+from trainrun.dist.heartbeat import Heartbeat
+from trainrun.dist.timeouts import get_timeout
 from trainrun.runner.builder import (
     build_dataloader,
     build_metrics,
@@ -252,21 +264,41 @@ class Runner:
         self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
-        try:
-            with stop_signals() as self.stop_request:
-                self.train_loop.run()
-        except Preempted:
-            raise
-        except Exception:
-            self.failed_at_step = self.iter + 1
-            self.logger.exception("rank %d: training failed at step %d (epoch %d)", self.rank,
-                                  self.iter + 1, self.epoch + 1)
-            raise
-        finally:
-            self.training = False
-            self.stop_request = None
+        with watch_ranks(get_timeout().total_seconds()) as heartbeat:
+            try:
+                with stop_signals() as self.stop_request:
+                    self.train_loop.run()
+            except Preempted:
+                raise
+            except Exception as error:
+                self.failed_at_step = self.iter + 1
+                peers = self._peer_failure(error, heartbeat)
+                if peers is not None:
+                    raise peers from error
+                self.logger.exception("rank %d: training failed at step %d (epoch %d)",
+                                      self.rank, self.iter + 1, self.epoch + 1)
+                raise
+            finally:
+                self.training = False
+                self.stop_request = None
         self.call_hook("after_run")
         return self.model
+
+    @staticmethod
+    def _peer_failure(error: Exception, heartbeat: Heartbeat | None) -> PeerFailure | None:
+        """For a failed collective: why, in the heartbeat's words (another rank failed or went
+        silent). For a failure of this rank's own: None, after telling the other ranks."""
+        if heartbeat is None:
+            return None
+        if not is_comm_error(error):
+            heartbeat.post_failure(error)
+            return None
+        try:
+            return PeerFailure(heartbeat.explain())
+        except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
+            first = (str(error).strip().splitlines() or [""])[0]
+            return PeerFailure(f"rank {heartbeat.rank} lost contact with the other ranks "
+                               f"({first}; and the job's store: {store_error})", said=False)
 
     def val(self) -> dict[str, float]:
         """Validate on the val data; every rank gets the metrics."""
@@ -280,7 +312,17 @@ class Runner:
             raise ValueError("test() needs a test data loader (data.test in the config)")
         if self.load_from and not self.training:
             self.load_weights(self.load_from)
-        return EvalLoop(self, self.test_dataloader, self.test_metrics, "test").run()
+        loop = EvalLoop(self, self.test_dataloader, self.test_metrics, "test")
+        if self.training:
+            return loop.run()
+        with watch_ranks(get_timeout().total_seconds()) as heartbeat:
+            try:
+                return loop.run()
+            except Exception as error:
+                peers = self._peer_failure(error, heartbeat)
+                if peers is not None:
+                    raise peers from error
+                raise
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -309,9 +351,10 @@ class Runner:
                         background: bool = False) -> Path:
         """Save a checkpoint on every rank (all must call this); returns its path. With
         ``background`` it is written while training goes on (see `CheckpointManager.save`)."""
-        return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
-                                     self.optimizer, self._train_state(), update_last,
-                                     background)
+        with phase("checkpoint save"):
+            return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
+                                         self.optimizer, self._train_state(), update_last,
+                                         background)
 
     def _resume_or_load(self) -> None:
         path = None

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainrun.dist import phase
+
 
 def _mean(value: Tensor) -> Tensor:
     return value if value.dim() == 0 and value.is_floating_point() else value.mean()
@@ -54,7 +56,7 @@ def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
               check: Callable[[Tensor], None] | None = None) -> dict[str, Tensor]:
     """Forward ``data`` through ``model`` in loss mode inside the optimiser's context, then
     backward and (when the micro-steps are in) step. ``check`` sees the loss first."""
-    with optim_wrapper.optim_context(model):
+    with optim_wrapper.optim_context(model), phase("forward"):
         losses = model(data, mode="loss")
     loss, log_vars = parse_losses(losses)
     if check is not None:

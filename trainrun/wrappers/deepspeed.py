@@ -33,6 +33,7 @@ from trainrun.dist import (
     get_world_size,
     is_distributed,
     is_main_process,
+    phase,
 )
 from trainrun.wrappers.base import (
     TRAIN_STATE,
@@ -287,12 +288,15 @@ class DeepSpeedOptimWrapper:
 
     def update_params(self, loss: Tensor) -> None:
         self.done += 1
-        if self._in_tail(self.done):  # mean over the short group's micro-steps
-            self.engine.set_gradient_accumulation_boundary(self.done == self.tail_from + self.tail)
-            self.engine.backward(loss / self.tail, scale_wrt_gas=False)
-        else:
-            self.engine.backward(loss)
-        self.engine.step()
+        with phase("backward"):
+            if self._in_tail(self.done):  # mean over the short group's micro-steps
+                self.engine.set_gradient_accumulation_boundary(
+                    self.done == self.tail_from + self.tail)
+                self.engine.backward(loss / self.tail, scale_wrt_gas=False)
+            else:
+                self.engine.backward(loss)
+        with phase("optimizer step"):
+            self.engine.step()
         norm = self.engine.get_global_grad_norm()
         self.grad_norm = None if norm is None else torch.as_tensor(norm)
 

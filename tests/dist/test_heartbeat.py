@@ -1,0 +1,143 @@
+"""The heartbeat: who went silent or failed, and where every rank was.
+
+The whole path (a frozen or failing rank under torchrun ends the job with one message) is
+tested from the command line in tests/tools/test_train_cli.py; here are its parts.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+import trainrun.dist as dist
+from trainrun.dist.heartbeat import Beat, Heartbeat, describe, rank_list
+
+
+def test_rank_lists_shorten_runs():
+    assert rank_list([1]) == "rank 1"
+    assert rank_list([0, 1]) == "ranks 0, 1"
+    assert rank_list([5, 0, 1, 2, 7, 8, 9, 10]) == "ranks 0-2, 5, 7-10"
+
+
+def test_describe_names_the_silent_ranks_and_groups_the_others():
+    now = 1000.0
+    beats = {0: Beat(9, now - 0.4, 58, "broadcast"), 1: Beat(5, now - 21.2, 57, "all_reduce"),
+             2: Beat(9, now - 0.1, 58, "broadcast"), 3: None, 4: Beat(3, now - 50, 58, "finished")}
+    message, silent = describe(beats, now, silent_after=3)
+    assert silent == [1, 3]
+    assert message == ("rank 1 silent for 21 s, last seen at step 57 in all_reduce; "
+                       "rank 3 never reported; ranks 0, 2 waiting at step 58 in broadcast; "
+                       "rank 4 finished")
+    message, silent = describe({0: Beat(1, now, None, "setup"), 1: Beat(1, now, 3, "val")},
+                               now, silent_after=3)
+    assert (message, silent) == ("no rank is silent; rank 0 in setup; rank 1 at step 3 in val",
+                                 [])
+    # a rank that has not reported yet is starting, for the first seconds
+    message, silent = describe({0: Beat(1, now, 2, "backward"), 1: None}, now, silent_after=3,
+                               started=now - 1)
+    assert (message, silent) == ("no rank is silent; rank 0 at step 2 in backward; "
+                                 "rank 1 starting", [])
+
+
+class RecordingHeartbeat(Heartbeat):
+    """Records the stop it would end the process with, instead of ending it."""
+
+    exits: list[tuple[str, list[int]]]
+
+    def _exit(self, message: str, culprits: list[int]) -> None:
+        self.conclude(message, culprits)
+        self.exits.append((message, culprits))
+
+
+def test_the_watcher_names_a_rank_that_stopped_beating():
+    store = torch_dist.HashStore()
+    dist.at_step(7)
+    frozen = Heartbeat(store, 1, 2, silent_after=0.5, prefix="t")
+    with dist.phase("forward"):
+        frozen._beat()  # rank 1 reports once, then never again (as if SIGSTOPped)
+    dist.at_step(8)
+    watcher = RecordingHeartbeat(store, 0, 2, silent_after=0.5, prefix="t")
+    watcher.exits = []
+    with dist.phase("backward"):
+        watcher.start()
+        deadline = time.monotonic() + 10
+        while not watcher.exits and time.monotonic() < deadline:
+            time.sleep(0.02)
+    watcher._stop.set()
+    assert watcher.exits, "rank 1 was never found silent"
+    message, culprits = watcher.exits[0]
+    assert culprits == [1]
+    assert re.fullmatch(r"rank 1 silent for \d s, last seen at step 7 in forward; "
+                        r"rank 0 waiting at step 8 in backward", message), message
+    assert watcher.posted() == (message, [1])  # for the other ranks to read
+    assert watcher.reports([1]) and not frozen.reports([1])
+    assert watcher.store.add(watcher.key("told"), 0) == 1
+
+
+def _posted_failure_body(failing):
+    rank, world = dist.get_dist_info()
+    with dist.watch_ranks(30) as heartbeat:
+        dist.at_step(5)
+        if rank == failing:
+            with dist.phase("forward"):
+                started = time.monotonic()
+                heartbeat.post_failure(ValueError("boom\nsecond line"))  # returns once told
+                told = heartbeat.store.add(heartbeat.key("told"), 0)
+                waited = time.monotonic() - started
+        else:
+            with dist.phase("backward"):
+                heartbeat.explain()
+            told, waited = None, 0.0
+        message, culprits = heartbeat.posted()
+        return message, culprits, heartbeat.reports(culprits), told, waited
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failure_posted_by_one_rank_is_what_the_others_report(run_on, world_size, failing):
+    results = run_on(world_size)(_posted_failure_body, failing)
+    expected = f"rank {failing} failed at step 5 in forward: ValueError: boom"
+    assert all(r[:2] == (expected, [failing]) for r in results), results
+    reporters = [rank for rank, r in enumerate(results) if r[2]]
+    assert reporters == [1 if failing == 0 else 0]  # one line for the whole job
+    assert results[failing][3] == world_size - 1 and results[failing][4] < 5, results[failing]
+
+
+def _explain_body():
+    rank, _ = dist.get_dist_info()
+    with dist.watch_ranks(30) as heartbeat:
+        dist.at_step(3)
+        with dist.phase("all_reduce" if rank == 0 else "broadcast"):
+            heartbeat._beat()  # as the thread would within a second
+            torch_dist.barrier()
+            return heartbeat.explain(wait=0.3), heartbeat.posted()[1]
+
+
+def test_with_nobody_silent_the_account_says_where_each_rank_waits(run_on):
+    first, second = run_on(2)(_explain_body)
+    assert first == second == ("no rank is silent; rank 0 at step 3 in all_reduce; "
+                               "rank 1 at step 3 in broadcast", [])
+
+
+def _collective_place_body():
+    place = dist.heartbeat._place
+    dist.set_phase("setup")
+    with dist.watch_ranks(30) as heartbeat:
+        inside = []
+        with dist.phase("hooks"):
+            inside.append(place.phase)
+            with dist.phase("checkpoint save"):
+                dist.all_reduce(torch.ones(1))  # a named collective reports its name, but
+                inside.append(place.phase)  # only while it runs
+        inside.append(place.phase)
+    return heartbeat is not None, inside
+
+
+def test_no_heartbeat_without_a_group_and_phases_nest(run_on, world_size):
+    results = run_on(world_size)(_collective_place_body) if world_size > 1 \
+        else [_collective_place_body()]
+    assert all(r == (world_size > 1, ["hooks", "checkpoint save", "setup"]) for r in results)

@@ -1,0 +1,376 @@
+"""Which ranks are alive, and where each one is: a heartbeat through the rendezvous store.
+
+While `watch_ranks` is active, a thread in every rank writes the rank's place (its step and
+phase: forward, backward, a collective's name, checkpoint save, ...) to the job's store about
+once a second, and watches the rank before it in the ring, so the store serves three small
+requests per rank per second whatever the job's size. When that rank has been silent for
+the collective timeout, or when some rank posts a failure, the thread ends its own process
+with one message naming who stopped and where every rank was. No rank then waits in a
+collective that cannot finish, whatever the backend does with its own timeout.
+
+The main thread only records its place (`at_step`, `phase`: attribute writes, no I/O).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as torch_dist
+
+log = logging.getLogger("trainrun")
+
+EXIT_STOPPED = 1  # the exit code of a rank the heartbeat stops: a failure, like any other
+
+
+# ---------------------------------------------------------------- this rank's place
+
+class _Place:
+    """Where the main thread is; written by it, read by the heartbeat thread."""
+
+    step: int | None = None
+    phase: str = "setup"
+
+
+_place = _Place()
+
+
+def at_step(step: int | None) -> None:
+    """Record the training step this rank is in (None: not in a step)."""
+    _place.step = step
+
+
+def set_phase(name: str) -> None:
+    """Record ``name`` as this rank's phase until the next call."""
+    _place.phase = name
+
+
+class phase:  # noqa: N801 - used as a context manager, like a function
+    """Record ``name`` as this rank's phase inside the block; the outer phase comes back after,
+    unless the block raised: the phase then stays where the failure happened."""
+
+    __slots__ = ("name", "outer")
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.outer, _place.phase = _place.phase, self.name
+
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        if exc_type is None:
+            _place.phase = self.outer
+
+
+def is_comm_error(error: BaseException) -> bool:
+    """Whether ``error`` came from communication (a peer that died, froze or left, or a
+    timeout) rather than from this rank's own work. torch raises DistError subclasses for
+    some; gloo raises plain RuntimeErrors whose text names the transport."""
+    if isinstance(error, torch_dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(mark in text for mark in (
+        "Connection closed by peer", "Connection reset by peer", "pair closure",
+        "Timed out waiting", "timed out after", "gloo/transport", "Broken pipe"))
+
+
+# ---------------------------------------------------------------- what the ranks report
+
+@dataclass
+class Beat:
+    """One rank's last report: a counter, the writer's clock, its step and phase."""
+
+    seq: int
+    time: float
+    step: int | None
+    phase: str
+
+    def encode(self) -> str:
+        return json.dumps([self.seq, round(self.time, 3), self.step, self.phase])
+
+    @staticmethod
+    def decode(raw: bytes) -> Beat:
+        seq, when, step, where = json.loads(raw)
+        return Beat(seq, when, step, where)
+
+    def where(self) -> str:
+        return f"at step {self.step} in {self.phase}" if self.step else f"in {self.phase}"
+
+
+def rank_list(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 0-2, 5': runs of consecutive ranks shortened."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def describe(beats: dict[int, Beat | None], now: float, silent_after: float,
+             started: float = 0.0) -> tuple[str, list[int]]:
+    """A one-line account of every rank, and the ranks that are silent: no beat for
+    ``silent_after`` seconds, or none at all ``silent_after`` seconds after ``started``
+    (before that, a rank without a beat is still starting). Ranks in one place are grouped."""
+    if now - started < silent_after:
+        beats = {r: b if b is not None else Beat(0, now, None, "starting")
+                 for r, b in beats.items()}
+    silent = [r for r, b in beats.items() if b is None or (b.phase != "finished"
+                                                          and now - b.time >= silent_after)]
+    parts = []
+    for rank in silent:
+        beat = beats[rank]
+        parts.append(f"rank {rank} never reported" if beat is None else
+                     f"rank {rank} silent for {now - beat.time:.0f} s, last seen {beat.where()}")
+    places: dict[str, list[int]] = {}
+    for rank, beat in beats.items():
+        if rank not in silent:
+            where = beat.phase if beat.phase in ("finished", "starting") else \
+                ("waiting " if silent else "") + beat.where()
+            places.setdefault(where, []).append(rank)
+    parts += [f"{rank_list(ranks)} {where}" for where, ranks in places.items()]
+    if not silent:
+        parts.insert(0, "no rank is silent")
+    return "; ".join(parts), silent
+
+
+# ---------------------------------------------------------------- the heartbeat
+
+class _LockedStore:
+    """A store whose calls take turns: the heartbeat thread and the main thread share one."""
+
+    def __init__(self, store: torch_dist.Store):
+        self._store, self._lock = store, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self._store, name)
+
+        def locked(*args: Any) -> Any:
+            with self._lock:
+                return call(*args)
+        return locked
+
+
+class Heartbeat:
+    """This rank's heartbeat thread and what it knows; see the module's docstring."""
+
+    GRACE = 2.0  # seconds the main thread gets to report a failure itself
+
+    def __init__(self, store: torch_dist.Store, rank: int, world_size: int,
+                 silent_after: float, prefix: str):
+        self.store, self.rank, self.world_size = _LockedStore(store), rank, world_size
+        self.silent_after = silent_after
+        self.interval = min(1.0, silent_after / 10)
+        self.prefix = prefix
+        self.failing = False  # set once this rank's main thread handles a failure itself
+        self._concluding, self._concluded = threading.Lock(), False
+        self._seq = 0
+        self._started = 0.0  # when this rank's heartbeat started (its clock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainrun-heartbeat",
+                                        daemon=True)
+
+    def key(self, name: str | int) -> str:
+        return f"{self.prefix}/{name}"
+
+    # -------------------------------------------------------- the thread
+
+    def start(self) -> None:
+        self._started = time.time()
+        self._beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread; the rank's last beat says 'finished', so nobody waits on it."""
+        self._stop.set()
+        self._thread.join()
+        if not self.failing:
+            self._beat("finished")
+
+    def _beat(self, phase: str | None = None) -> None:
+        self._seq += 1
+        beat = Beat(self._seq, time.time(), _place.step, phase or _place.phase)
+        self.store.set(self.key(self.rank), beat.encode())
+
+    def _run(self) -> None:
+        watched = (self.rank - 1) % self.world_size
+        last_seq, changed = -1, time.monotonic()
+        try:
+            while not self._stop.wait(self.interval):
+                self._beat()
+                if self.store.check([self.key("stop")]):
+                    self._stop_for_posted()
+                    return
+                beat = self._read(watched)  # None: not started (silent since this one started)
+                if beat is not None and (beat.seq != last_seq or beat.phase == "finished"):
+                    last_seq, changed = beat.seq, time.monotonic()
+                elif time.monotonic() - changed >= self.silent_after and not self.failing:
+                    self._exit(*self._post(*self.account()))
+        except Exception as error:  # the store is gone: the job is ending anyway
+            if not self._stop.is_set() and not self.failing:
+                log.debug("heartbeat stopped: %s", error)
+
+    def _stop_for_posted(self) -> None:
+        """Another rank posted why the job stops: say so (once for the job), then give this
+        rank's main thread `GRACE` seconds to fail by itself, as it does when it waits on a
+        failed rank that then exits; if it does not, it is stuck: end this process."""
+        self.conclude(*self.posted())
+        deadline = time.monotonic() + self.GRACE
+        while time.monotonic() < deadline and not self.failing:
+            time.sleep(0.05)
+        if not self.failing:
+            sys.stderr.flush()
+            os._exit(EXIT_STOPPED)
+
+    def _exit(self, message: str, culprits: list[int]) -> None:
+        self.conclude(message, culprits)
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
+
+    def conclude(self, message: str, culprits: list[int]) -> None:
+        """Say why the job stops (on one rank: the lowest that is not a culprit), then count
+        this rank as told, which lets a failing rank exit (see `post_failure`). Once."""
+        with self._concluding:
+            if self._concluded:
+                return
+            self._concluded = True
+        if self.reports(culprits):
+            log.error("stopping every rank: %s", message)
+            for handler in log.handlers:
+                handler.flush()
+        self.store.add(self.key("told"), 1)
+
+    # -------------------------------------------------------- the store
+
+    def _read(self, rank: int) -> Beat | None:
+        key = self.key(rank)
+        return Beat.decode(self.store.get(key)) if self.store.check([key]) else None
+
+    def beats(self) -> dict[int, Beat | None]:
+        keys = [self.key(r) for r in range(self.world_size)]
+        present = [k for k in keys if self.store.check([k])]
+        values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
+        return {r: Beat.decode(values[k]) if k in values else None
+                for r, k in enumerate(keys)}
+
+    def account(self) -> tuple[str, list[int]]:
+        """Every rank's state as one line, and the silent ranks: those that missed three
+        beats (a live rank beats every `interval` seconds, whatever its main thread does)."""
+        return describe(self.beats(), time.time(), 3 * self.interval, self._started)
+
+    def _post(self, message: str, ranks: list[int]) -> tuple[str, list[int]]:
+        """Post why the job stops, unless some rank did first; returns what stands."""
+        mine = json.dumps({"message": message, "ranks": ranks})
+        standing = self.store.compare_set(self.key("stop"), "", mine)
+        posted = json.loads(standing)
+        return posted["message"], posted["ranks"]
+
+    def posted(self) -> tuple[str, list[int]]:
+        posted = json.loads(self.store.get(self.key("stop")))
+        return posted["message"], posted["ranks"]
+
+    def reports(self, culprits: list[int]) -> bool:
+        """Whether this rank prints the job's stop: the lowest rank not among the culprits."""
+        others = [r for r in range(self.world_size) if r not in culprits]
+        return bool(others) and self.rank == others[0]
+
+    # -------------------------------------------------------- the main thread's failures
+
+    def post_failure(self, error: BaseException) -> None:
+        """This rank failed by itself (not for lack of a peer): tell the others why, and give
+        them a few seconds to say so before this rank exits (a launcher such as torchrun
+        kills the other ranks as soon as one exits)."""
+        self.failing = True
+        first = (str(error).strip().splitlines() or [""])[0]
+        where = Beat(0, 0.0, _place.step, _place.phase).where()
+        try:
+            self._post(f"rank {self.rank} failed {where}: {type(error).__name__}: {first}",
+                       [self.rank])
+            deadline = time.monotonic() + self.GRACE + 3
+            while self.store.add(self.key("told"), 0) < self.world_size - 1 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception as store_error:  # the store went away: the launcher ends the others
+            log.debug("could not post the failure: %s", store_error)
+
+    def explain(self, wait: float = 5.0) -> str:
+        """Why a collective of this rank failed: a failure another rank posted, or else the
+        ranks that went silent (waiting up to ``wait`` seconds for one of the two to show, as a
+        peer that just died still has a fresh beat). Posted for the others, said once for the
+        job (`conclude`), and returned."""
+        self.failing = True
+        self._beat()  # this rank's own place, as of now
+        deadline = time.monotonic() + wait
+        while not self.store.check([self.key("stop")]):
+            message, silent = self.account()
+            if silent or time.monotonic() >= deadline:
+                self._post(message, silent)
+                break
+            time.sleep(self.interval / 2)
+        message, culprits = self.posted()
+        self.conclude(message, culprits)
+        return message
+
+
+# ---------------------------------------------------------------- starting and stopping
+
+_generation = 0  # heartbeats started in this process: keys of an earlier one are never read
+
+
+class PeerFailure(RuntimeError):
+    """This rank stopped because another rank failed or went silent; the message says which.
+    ``said``: whether the heartbeat has already said it (once for the whole job)."""
+
+    def __init__(self, message: str, said: bool = True):
+        super().__init__(message)
+        self.said = said
+
+
+def _store() -> torch_dist.Store | None:
+    """A client of the default group's store for the heartbeat thread alone (None: the group
+    has no store, as under the MPI backend). torch has no public accessor for that store."""
+    try:
+        store = torch_dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return store.clone() if hasattr(store, "clone") else store
+
+
+def _prefix() -> str:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(
+        "SLURM_RESTART_COUNT") or "0"
+    return f"trainrun/heartbeat/{restart}/{_generation}"
+
+
+@contextmanager
+def watch_ranks(silent_after: float) -> Iterator[Heartbeat | None]:
+    """Run this rank's heartbeat for the duration (every rank of the default group must enter
+    together); yields None where there is nothing to watch (one process, or no store)."""
+    global _generation
+    if not (torch_dist.is_available() and torch_dist.is_initialized()) \
+            or torch_dist.get_world_size() == 1:
+        yield None
+        return
+    store = _store()
+    if store is None:
+        log.debug("no heartbeat: the default group has no store")
+        yield None
+        return
+    _generation += 1
+    heartbeat = Heartbeat(store, torch_dist.get_rank(), torch_dist.get_world_size(),
+                          silent_after, _prefix())
+    heartbeat.start()
+    try:
+        yield heartbeat
+    finally:
+        heartbeat.stop()
