@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.toy import CrashAfter, Killed
+from tests.runner.toy import CrashAfter, Killed, Payload
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import build_strategy, is_model_wrapper
@@ -284,6 +284,41 @@ def test_load_from_across_strategies(run_on, tmp_path, stage):
     for into_engine, out_of_engine in run_on(2)(_load_from_body, str(tmp_path), stage):
         assert into_engine
         assert out_of_engine == [True, True, True]
+
+
+def _crafted_body(base):
+    """DeepSpeed reads its own files with weights_only=False; a crafted partition file must
+    still be refused, on resume and as weights, and never run."""
+    import pickle
+
+    strategy = {"type": "deepspeed", "zero_stage": 2}
+    _runner(base, strategy, max_iters=4, checkpoint={"interval": 4}).train()
+    marker = Path(base) / "pwned"
+    if torch.distributed.get_rank() == 0:
+        for part in (Path(base) / "checkpoints" / "iter_4.pth").rglob("*optim_states.pt"):
+            state = torch.load(part, weights_only=False)
+            state["payload"] = Payload(str(marker))
+            torch.save(state, part)
+    torch.distributed.barrier()
+    refused = []
+    runner = _runner(base, strategy, max_iters=8, checkpoint={"interval": 4}, resume=True)
+    try:
+        runner.train()
+    except pickle.UnpicklingError as error:
+        refused.append(str(error))
+    runner.close()
+    try:
+        _runner(f"{base}/ddp", "ddp").load_weights(f"{base}/checkpoints/iter_4.pth")
+    except pickle.UnpicklingError as error:
+        refused.append(str(error))
+    return refused, marker.exists()
+
+
+def test_a_crafted_deepspeed_checkpoint_is_refused_not_run(run_on, tmp_path):
+    for refused, ran in run_on(2)(_crafted_body, str(tmp_path)):
+        assert not ran
+        assert len(refused) == 2 and all("refused to load: it holds posix.system" in text
+                                          for text in refused), refused
 
 
 def test_a_conflict_is_a_config_error_and_the_cli_exits_2(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainrun.examples import resolve
+from trainrun.runner.config import ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
 from trainrun.runner.sampler import ResumableSampler
@@ -25,21 +27,44 @@ def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return options.pop("type"), options
 
 
+def construct(key: str, kind: str, name: str, options: Mapping[str, Any]) -> Any:
+    """The ``kind`` (model, dataset, ...) called ``name``, built with ``options``. What the
+    config got wrong is a ConfigError naming ``key``: an unknown type, arguments the class
+    does not take, or values its constructor refuses (a ValueError)."""
+    try:
+        target = resolve(kind, name)
+    except ValueError as error:
+        raise ConfigError(f"{key}.type: {error}") from None
+    try:
+        inspect.signature(target).bind(**options)
+    except TypeError as error:
+        raise ConfigError(f"{key}: {name} does not take these arguments: {error}") from None
+    except ValueError:
+        pass  # no signature to check against (a builtin): the call itself will tell
+    try:
+        return target(**options)
+    except ValueError as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{key}: {name} refused its arguments: {first}") from None
+
+
 def build_model(cfg: Mapping[str, Any]) -> nn.Module:
     name, options = _split(cfg)
-    return resolve("model", name)(**options)
+    return construct("model", "model", name, options)
 
 
-def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool) -> DataLoader:
-    """A loader over the data set ``cfg`` names, dealt to ranks by a `ResumableSampler`.
+def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
+                     key: str = "data") -> DataLoader:
+    """A loader over the data set ``cfg`` (the config's ``key``) names, dealt to ranks by a
+    `ResumableSampler`.
 
     The loader gets a generator of its own (re-seeded every epoch by the loop), so building
     iterators never draws from the global random stream.
     """
     name, options = _split(cfg)
-    loader = {key: options.pop(key) for key in LOADER_OPTIONS if key in options}
+    loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
     options.pop("metrics", None)
-    dataset = resolve("dataset", name)(**options)
+    dataset = construct(key, "dataset", name, options)
     shuffle = loader.pop("shuffle", train)
     sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed)
     num_workers = loader.get("num_workers", 0)

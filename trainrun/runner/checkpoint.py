@@ -20,9 +20,20 @@ import torch
 from torch import Tensor, nn
 
 from trainrun.dist import all_reduce, barrier, broadcast_object_list, is_main_process
-from trainrun.wrappers.base import Optimizers, Strategy, load_state_file
-from trainrun.wrappers.deepspeed import deepspeed_weights, is_deepspeed_checkpoint
-from trainrun.wrappers.fsdp import is_sharded_checkpoint, sharded_model_weights
+from trainrun.wrappers.base import (
+    TRAIN_STATE,
+    Optimizers,
+    Strategy,
+    load_state_file,
+    refusing_unsafe,
+)
+from trainrun.wrappers.deepspeed import (
+    TAG,
+    deepspeed_weights,
+    is_deepspeed_checkpoint,
+    weights_only_loads,
+)
+from trainrun.wrappers.fsdp import check_metadata, is_sharded_checkpoint, sharded_model_weights
 
 TMP_PREFIX = ".tmp-"
 LAST = "last"
@@ -202,6 +213,31 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             return named
     raise FileNotFoundError(f"{path}: a directory that is not a checkpoint, and has no "
                             f"'{LAST}' or 'checkpoints/{LAST}' naming one")
+
+
+def check_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint ``path`` names (see `resolve_checkpoint`), after a cheap look that it
+    is one and holds only tensors and plain containers: the file itself (memory-mapped, so
+    its tensors are not read), a sharded checkpoint's metadata, or a DeepSpeed checkpoint's
+    train state and model files. What it does not read is read with weights_only on loading.
+    Raises FileNotFoundError, ValueError or pickle.UnpicklingError, each with one line."""
+    path = resolve_checkpoint(path)
+    if is_sharded_checkpoint(path):
+        check_metadata(path)
+        return path
+    files, guard = [path], refusing_unsafe(path)
+    if is_deepspeed_checkpoint(path):
+        files = [path / TRAIN_STATE, *sorted((path / TAG).glob("*mp_rank_00_model_states.pt"))]
+        guard = weights_only_loads(path)
+    with guard:
+        for file in files:
+            try:
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as error:
+                if "mmap" not in str(error):  # else an older (non-zip) torch file: read it
+                    raise
+                torch.load(file, map_location="cpu", weights_only=True)
+    return path
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:

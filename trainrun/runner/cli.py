@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig
 
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
-from trainrun.runner.config import LAUNCHERS, ConfigError, dataset_kwargs, load_config
+from trainrun.runner.config import (
+    LAUNCHERS,
+    ConfigError,
+    config_changes,
+    dataset_kwargs,
+    load_config,
+)
 from trainrun.runner.plan import STARTERS, describe_plan, env_rank
 from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
 
@@ -56,7 +65,12 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     _add_common(parser)
     parser.add_argument("--resume", nargs="?", const=True, metavar="CKPT",
-                        help="resume from CKPT, or from the newest checkpoint in work_dir")
+                        help="resume from CKPT (a checkpoint, or a run directory: its newest), "
+                        "or from the newest checkpoint in work_dir")
+    parser.add_argument("--force", action="store_true",
+                        help="with --resume: go on even where this config differs from the "
+                        "run's config.yaml in more than its length (config.yaml is then "
+                        "updated, the old one kept beside it)")
     parser.add_argument("--amp", action="store_true",
                         help="mixed precision: bf16 (fp16 on a GPU without bf16)")
     parser.add_argument("--dry-run", action="store_true",
@@ -129,6 +143,46 @@ def _check_launcher(cfg: DictConfig) -> None:
         raise ConfigError(f"launcher: {cfg.launcher!r}: {error}") from None
 
 
+def _check_work_dir(cfg: DictConfig) -> None:
+    path = Path(cfg.work_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"work_dir: got {str(path)!r}, expected a directory (or a path to "
+                          f"create one at), and it is a file")
+
+
+def _checked_checkpoint(key: str, path: str) -> str:
+    """The checkpoint ``path`` names (a run directory names its newest), once it looks like
+    one and holds nothing that would run code; else a ConfigError naming ``key``."""
+    from trainrun.runner.checkpoint import check_checkpoint
+
+    try:
+        return str(check_checkpoint(path))
+    except (OSError, ValueError, pickle.UnpicklingError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+
+
+def _check_resumed_config(cfg: DictConfig, force: bool) -> list[str]:
+    """Refuse to resume a run whose config.yaml differs from ``cfg`` in more than its length
+    (a changed model, data or optimiser would not resume the run it names), unless forced;
+    returns the warning a forced resume gives."""
+    saved_file = Path(cfg.work_dir) / "config.yaml"
+    if not saved_file.is_file():
+        return []
+    try:
+        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"resume: cannot read {saved_file}: {error}") from None
+    changes = config_changes(saved if isinstance(saved, dict) else {}, cfg)
+    if not changes:
+        return []
+    listed = "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more"
+                                        if len(changes) > 12 else "")
+    what = f"{saved_file} (the run being resumed) differs in {len(changes)} key(s): {listed}"
+    if force:
+        return [f"resume: --force: {what}"]
+    raise ConfigError(f"resume: {what}; pass --force to resume anyway")
+
+
 def prepare_train(argv: Sequence[str] | None = None) -> Job:
     """Parse the train command line and load, override and validate the config.
 
@@ -143,6 +197,12 @@ def prepare_train(argv: Sequence[str] | None = None) -> Job:
         values["precision"] = amp_precision()
     warnings: list[str] = []
     cfg = load_config(args.config, args.cfg_options, values=values, on_warning=warnings.append)
+    _check_work_dir(cfg)
+    for key in ("resume", "load_from"):
+        if isinstance(cfg[key], str):
+            cfg[key] = _checked_checkpoint(key, cfg[key])
+    if cfg.resume:
+        warnings += _check_resumed_config(cfg, args.force)
     if not args.dry_run:
         _check_launcher(cfg)
         _check_backend(cfg)

@@ -616,6 +616,41 @@ def validate_config(cfg: DictConfig | dict[str, Any], *, mode: str = "train") ->
     return warnings
 
 
+# How a run's processes are started and where it starts from: not the run itself (a job
+# begun under torchrun may go on under srun).
+LAUNCH_KEYS = ("launcher", "backend", "dist_timeout", "resume", "load_from", "work_dir")
+# What a resumed run may change without --force: those, and how long it trains.
+RESUME_MAY_CHANGE = ("schedule.max_epochs", "schedule.max_iters", *LAUNCH_KEYS)
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
+                   may_change: Iterable[str] = RESUME_MAY_CHANGE) -> list[str]:
+    """``key: saved -> now`` for every key whose value differs between a run's saved config
+    and the config resuming it, but for the keys in ``may_change``."""
+    may_change = set(may_change)
+    old, new = _flat(_to_plain(saved)), _flat(_to_plain(now))
+    unset = object()
+
+    def shown(value: Any) -> str:
+        return "unset" if value is unset else show(value)
+
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        before, after = old.get(key, unset), new.get(key, unset)
+        if key not in may_change and before != after:
+            changes.append(f"{key}: {shown(before)} -> {shown(after)}")
+    return changes
+
+
 def strategy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The chosen strategy's options from a validated config, as plain values."""
     strategy = _to_plain(cfg["strategy"])

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import sys
+from logging.handlers import MemoryHandler
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
 
 
-def setup_logging(log_file: Path | None = None) -> logging.Logger:
-    """Configure the 'trainrun' logger for this rank (again from scratch on each call)."""
+def setup_logging(log_file: Path | None = None, hold_for_file: bool = False) -> logging.Logger:
+    """Configure the 'trainrun' logger for this rank (again from scratch on each call).
+    ``hold_for_file``: keep the records until `attach_log_file` names the file they go to."""
     logger = get_logger()
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
@@ -42,10 +44,28 @@ def setup_logging(log_file: Path | None = None) -> logging.Logger:
         console.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
     logger.addHandler(console)
     if rank == 0 and log_file is not None:
-        file_handler = logging.FileHandler(log_file, encoding="utf-8")
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        logger.addHandler(file_handler)
+        logger.addHandler(_file_handler(log_file))
+    elif hold_for_file:
+        logger.addHandler(MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1))
     return logger
+
+
+def _file_handler(path: Path) -> logging.FileHandler:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    return handler
+
+
+def attach_log_file(path: Path) -> None:
+    """Log to ``path`` from now on, starting with the records held since `setup_logging`."""
+    logger = get_logger()
+    file_handler = _file_handler(path)
+    for held in [h for h in logger.handlers if isinstance(h, MemoryHandler)]:
+        held.setTarget(file_handler)
+        held.flush()
+        logger.removeHandler(held)
+        held.close()
+    logger.addHandler(file_handler)
 
 
 def _plain(value: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from trainrun.runner.builder import (
     wrap_optimizers,
 )
 from trainrun.runner.checkpoint import CheckpointManager, read_weights
+from trainrun.runner.config import LAUNCH_KEYS, ConfigError, config_changes
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.hooks import (
     CheckpointHook,
@@ -50,7 +52,7 @@ from trainrun.runner.hooks import (
     PreemptionHook,
     ValidationHook,
 )
-from trainrun.runner.logging import MetricsFile, get_logger, setup_logging
+from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop
 from trainrun.runner.preemption import Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
@@ -104,15 +106,16 @@ class Runner:
         self.resume_from = resume
         self.load_from = load_from
         self.work_dir = Path(work_dir)
-        self._prepare_work_dir()
-        self.logger = get_logger()
-        self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
+        # the console now; train.log (with what was logged before) once the run directory is
+        # made, after everything the config describes was built: a config that cannot be
+        # built leaves no trace on disk
+        self.logger = setup_logging(hold_for_file=self.rank == 0)
         self.precision = precision
 
         model = build_model(model) if isinstance(model, Mapping) else model
-        self.train_dataloader = self._loader(train_dataloader, train=True)
-        self.val_dataloader = self._loader(val_dataloader, train=False)
-        self.test_dataloader = self._loader(test_dataloader, train=False)
+        self.train_dataloader = self._loader(train_dataloader, "train")
+        self.val_dataloader = self._loader(val_dataloader, "val")
+        self.test_dataloader = self._loader(test_dataloader, "test")
         self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader)
         self.test_metrics = self._metrics(test_metrics, test_dataloader, self.test_dataloader)
 
@@ -131,6 +134,9 @@ class Runner:
 
         self._set_schedule(schedule or {"max_epochs": 10})
         self.schedulers = self._schedulers(scheduler)
+
+        self._prepare_work_dir()
+        self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
         checkpoint = dict(checkpoint or {})
         self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
                                              max_keep=checkpoint.get("max_keep", 3))
@@ -177,23 +183,40 @@ class Runner:
         )
 
     def _prepare_work_dir(self) -> None:
-        """Rank 0 creates the run directory and writes the resolved config once."""
+        """Rank 0 creates the run directory, writes the resolved config and starts train.log."""
         if self.rank == 0:
             self.work_dir.mkdir(parents=True, exist_ok=True)
-            config_file = self.work_dir / "config.yaml"
-            if self.cfg is not None and not (self.resume_from and config_file.exists()):
-                text = OmegaConf.to_yaml(self.cfg, resolve=True) if isinstance(
-                    self.cfg, DictConfig) else yaml.safe_dump(dict(self.cfg), sort_keys=False)
-                tmp = config_file.with_name(".tmp-config.yaml")
-                tmp.write_text(text, encoding="utf-8")
-                os.replace(tmp, config_file)
+            if self.cfg is not None:
+                self._write_config(self.work_dir / "config.yaml")
         barrier()
-        setup_logging(self.work_dir / "train.log" if self.rank == 0 else None)
+        if self.rank == 0:
+            attach_log_file(self.work_dir / "train.log")
 
-    def _loader(self, loader: Any, train: bool) -> DataLoader | None:
+    def _write_config(self, config_file: Path) -> None:
+        """Write the resolved config, unless a resumed run's config.yaml already says the same
+        (how its processes start aside); one that differs (a longer schedule, or anything with
+        --force) is kept beside it as ``config.<time>.yaml``."""
+        if self.resume_from and config_file.exists():
+            saved = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+            if not config_changes(saved if isinstance(saved, dict) else {}, self.cfg,
+                                  may_change=LAUNCH_KEYS):
+                return
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+            kept = config_file.with_name(f"config.{stamp}.yaml")
+            while kept.exists():
+                n += 1
+                kept = config_file.with_name(f"config.{stamp}-{n}.yaml")
+            os.replace(config_file, kept)
+        text = OmegaConf.to_yaml(self.cfg, resolve=True) if isinstance(self.cfg, DictConfig) \
+            else yaml.safe_dump(dict(self.cfg), sort_keys=False)
+        tmp = config_file.with_name(".tmp-config.yaml")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, config_file)
+
+    def _loader(self, loader: Any, split: str) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
             return loader
-        return build_dataloader(loader, self.seed, train)
+        return build_dataloader(loader, self.seed, split == "train", key=f"data.{split}")
 
     def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
                  loader: DataLoader | None) -> list[BaseMetric]:
@@ -227,7 +250,10 @@ class Runner:
             return []
         optimizers = self.optimizer.values() if isinstance(self.optimizer, Mapping) \
             else [self.optimizer]
-        return [build_scheduler(opt, dict(cfg), self.max_iters) for opt in optimizers]
+        try:
+            return [build_scheduler(opt, dict(cfg), self.max_iters) for opt in optimizers]
+        except ValueError as error:  # its messages name the key: a config that cannot run
+            raise ConfigError(str(error)) from None
 
     def _hooks(self, extra: Sequence[Hook], logging: dict[str, Any],
                checkpoint: dict[str, Any], val_interval: int) -> list[Hook]:

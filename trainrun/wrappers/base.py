@@ -7,11 +7,12 @@ strategy is one new file with a subclass of `Strategy` and one line in `STRATEGI
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -177,13 +178,24 @@ def load_state_file(path: str) -> dict[str, Any]:
         from trainrun.wrappers.fsdp import load_sharded_as_full
 
         return load_sharded_as_full(path)
-    try:
+    with refusing_unsafe(path):
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:  # torch's message is a page; keep its one fact
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        what = found.group(1) if found else str(error).splitlines()[0]
-        raise pickle.UnpicklingError(f"{path}: refused to load: it holds {what}, which a "
-                                     "checkpoint never needs (read with weights_only)") from None
+
+
+@contextlib.contextmanager
+def refusing_unsafe(path: str | os.PathLike) -> Iterator[None]:
+    """Turn torch's page-long weights_only refusal inside the block into one line naming the
+    refused global, and a file torch cannot read into a ValueError."""
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", str(error))
+        if not found:  # not a refusal: bytes that are no pickle at all
+            raise ValueError(f"{path}: not a readable checkpoint (torch cannot read it: "
+                             "written by something else, or damaged)") from None
+        raise pickle.UnpicklingError(f"{path}: refused to load: it holds {found.group(1)}, "
+                                     "which a checkpoint never needs (read with weights_only)"
+                                     ) from None
     except RuntimeError as error:  # not a torch file, or a truncated one
         raise ValueError(f"{path}: not a readable checkpoint: "
                          f"{str(error).splitlines()[0]}") from None

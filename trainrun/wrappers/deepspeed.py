@@ -41,6 +41,7 @@ from trainrun.wrappers.base import (
     Optimizers,
     Strategy,
     load_state_file,
+    refusing_unsafe,
     save_state_file,
 )
 from trainrun.wrappers.base_model import loss_step
@@ -167,12 +168,49 @@ def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
     return any((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
 
 
+# What DeepSpeed's checkpoint files hold besides tensors and plain containers (0.16 to 0.19):
+# the only globals `weights_only_loads` lets through.
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+@contextlib.contextmanager
+def weights_only_loads(path: str | os.PathLike) -> Any:
+    """Every ``torch.load`` inside the block reads with weights_only, DeepSpeed's own record
+    types (`DEEPSPEED_GLOBALS`) allowed: DeepSpeed reads its files with weights_only=False,
+    which runs whatever a crafted checkpoint holds. torch honours the environment variable
+    even over an explicit weights_only=False."""
+    import importlib
+
+    allowed = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):
+            allowed.append(getattr(importlib.import_module(module), attr))
+    before = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with refusing_unsafe(path), torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = before
+
+
 def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The whole model's fp32 weights, plain keys, from a ZeRO 1-3 checkpoint directory (no
     process group needed): what ``load_from`` reads into any strategy."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
+    with weights_only_loads(path):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
 
 
 def share_fp32_master(zero_optimizer: Any) -> int:
@@ -452,7 +490,8 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is None:
             raise ValueError(f"{path} is a DeepSpeed checkpoint; resuming it needs training "
                              "(an optimiser)")
-        loaded, _ = self.engine.load_checkpoint(path, tag=TAG)
+        with weights_only_loads(path):
+            loaded, _ = self.engine.load_checkpoint(path, tag=TAG)
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
         return load_state_file(str(Path(path) / TRAIN_STATE))

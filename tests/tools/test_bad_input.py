@@ -1,0 +1,206 @@
+"""Bad input, everywhere: every config and command line below is refused with exit code 2,
+one ``error:`` line naming the key or argument, no traceback, and the run directory left as
+it was. The command line runs in this process (``train_main``), as tools/train.py runs it;
+tests/tools/test_train_cli.py checks the same contract through a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.runner.toy import Payload
+from trainrun.runner.cli import train_main
+from trainrun.runner.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "digits_ddp.yaml"
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK",
+                    "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes: what "left as it was" compares."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _make_inputs(root: Path) -> dict[str, Path]:
+    """The files the cases point at, each made once."""
+    root.mkdir()
+    marker = root / "pwned"
+    files = {"marker": marker}
+    files["broken_yaml"] = root / "broken.yaml"
+    files["broken_yaml"].write_text("model: {type: DigitsMLP\n")
+    files["python_tag"] = root / "tag.yaml"
+    files["python_tag"].write_text(CONFIG.read_text().replace(
+        "name: digits_ddp", f"name: !!python/object/apply:os.system ['touch {marker}']"))
+    files["a_list"] = root / "list.yaml"
+    files["a_list"].write_text("- model\n- data\n")
+    files["garbage"] = root / "garbage.pth"
+    files["garbage"].write_bytes(os.urandom(4096))
+    files["crafted"] = root / "crafted.pth"
+    torch.save({"model": {}, "meta": Payload(str(marker))}, files["crafted"])
+    files["plain_dir"] = root / "not_a_checkpoint"
+    files["plain_dir"].mkdir()
+    (files["plain_dir"] / "notes.txt").write_text("hello")
+    files["a_file"] = root / "a_file"
+    files["a_file"].write_text("not a directory")
+    dangling = root / "dangling" / "checkpoints"
+    dangling.mkdir(parents=True)
+    (dangling / "last").write_text("iter_9.pth\n")
+    files["dangling"] = root / "dangling"
+    return files
+
+
+# (the command line after tools/train.py, with {placeholders} for the files above; the words
+# the one error line must contain). The config is the shipped digits_ddp.yaml unless the case
+# names another; --work-dir {work_dir} and --launcher none are added unless the case sets them.
+CASES = [
+    # types and ranges
+    (["--cfg-options", "data.train.batch_size=-4"], ["data.train.batch_size", "-4"]),
+    (["--cfg-options", "data.train.batch_size=many"], ["data.train.batch_size", "'many'"]),
+    (["--cfg-options", "optim.lr=-0.1"], ["optim.lr", "-0.1"]),
+    (["--cfg-options", "optim.lr=fast"], ["optim.lr", "'fast'"]),
+    (["--cfg-options", "optim.accumulate=0"], ["optim.accumulate", "0"]),
+    (["--cfg-options", "schedule.max_epochs=0"], ["schedule.max_epochs", "0"]),
+    (["--cfg-options", "schedule.val_interval=-1"], ["schedule.val_interval"]),
+    (["--cfg-options", "logging.interval=0"], ["logging.interval", "0"]),
+    (["--cfg-options", "checkpoint.max_keep=0"], ["checkpoint.max_keep", "0"]),
+    (["--cfg-options", "checkpoint.async=maybe"], ["checkpoint.async", "'maybe'"]),
+    (["--cfg-options", "dist_timeout=0"], ["dist_timeout", "0"]),
+    (["--cfg-options", "randomness.seed=-3"], ["randomness.seed", "-3"]),
+    (["--cfg-options", "model.dropout=2"], ["dropout"]),
+    # unknown keys and values
+    (["--cfg-options", "optim.lrr=0.1"], ["optim.lrr", "'optim.lr'"]),
+    (["--cfg-options", "colour=blue"], ["colour"]),
+    (["--cfg-options", "precision=fp64"], ["precision", "fp64", "bf16"]),
+    (["--cfg-options", "strategy.type=dpp"], ["strategy.type", "'ddp'"]),
+    (["--cfg-options", "optim.type=Adamm"], ["optim.type", "Adamm"]),
+    (["--cfg-options", "scheduler.type=cosin"], ["scheduler.type", "cosin"]),
+    (["--cfg-options", "model.type=NoSuchModel"], ["model.type", "NoSuchModel"]),
+    (["--cfg-options", "data.train.type=imagenet"], ["data.train.type", "imagenet"]),
+    (["--cfg-options", "logging.backends=[console,wandb]"], ["logging.backends", "wandb"]),
+    (["--cfg-options", "backend=tpu"], ["backend", "tpu"]),
+    (["--cfg-options", "strategy.type=deepspeed", "strategy.zero_stage=5"],
+     ["strategy.zero_stage", "5"]),
+    (["--cfg-options", "optim.lr"], ["optim.lr"]),
+    # conflicting settings
+    (["--cfg-options", "schedule.max_iters=100"], ["max_epochs", "max_iters"]),
+    (["--cfg-options", "strategy.type=deepspeed", "checkpoint.async=true"],
+     ["checkpoint.async", "deepspeed"]),
+    (["--cfg-options", "scheduler.type=cosine", "scheduler.warmup_iters=5000"],
+     ["scheduler.warmup_iters", "5000"]),
+    # missing or corrupt checkpoints and paths
+    (["--resume", "{root}/missing.pth"], ["resume", "missing.pth"]),
+    (["--resume", "{garbage}"], ["resume", "garbage.pth", "not a readable checkpoint"]),
+    (["--resume", "{crafted}"], ["resume", "crafted.pth", "refused", "system"]),
+    (["--resume", "{plain_dir}"], ["resume", "not_a_checkpoint", "last"]),
+    (["--resume", "{dangling}"], ["resume", "iter_9.pth"]),
+    (["--cfg-options", "load_from={garbage}"], ["load_from", "garbage.pth"]),
+    (["--cfg-options", "load_from={crafted}"], ["load_from", "refused", "system"]),
+    (["--work-dir", "{a_file}"], ["work_dir", "a_file", "file"]),
+    # config files
+    (["CONFIG={root}/nope.yaml"], ["nope.yaml"]),
+    (["CONFIG={broken_yaml}"], ["broken.yaml"]),
+    (["CONFIG={python_tag}"], ["tag.yaml", "python/object/apply"]),
+    (["CONFIG={a_list}"], ["list.yaml", "mapping"]),
+    # the command line itself, and launchers started the wrong way
+    (["--launcher", "torch"], ["--launcher", "torch"]),
+    (["--no-such-flag"], ["--no-such-flag"]),
+    (["--launcher", "pytorch"], ["launcher", "RANK", "torchrun"]),
+    (["--launcher", "slurm"], ["launcher", "slurm", "srun"]),
+    (["--launcher", "mpi"], ["launcher", "mpi"]),
+    # resuming a run with another config (the run directory's config.yaml has hidden: 64)
+    (["--resume"], ["resume", "config.yaml", "model.hidden: 64 -> 256", "--force"]),
+    (["--resume", "--cfg-options", "schedule.max_epochs=30", "optim.lr=0.01"],
+     ["2 key(s)", "model.hidden: 64 -> 256", "optim.lr: 0.001 -> 0.01"]),
+]
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_bad_input_is_refused_with_exit_2_one_line_and_nothing_written(tmp_path, capfd,
+                                                                        clean_env):
+    assert len(CASES) >= 40
+    inputs = _make_inputs(tmp_path / "inputs")
+    work_dir = tmp_path / "run"  # a run directory with a finished run in it, left as it is
+    (work_dir / "checkpoints").mkdir(parents=True)
+    (work_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    saved = load_config(CONFIG, ["model.hidden=64"], values={"work_dir": str(work_dir)})
+    (work_dir / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    before = _files(tmp_path)
+    failures = []
+    for args, words in CASES:
+        values = {"root": tmp_path / "inputs", "work_dir": work_dir,
+                  **{k: str(v) for k, v in inputs.items()}}
+        args = [a.format(**values) for a in args]
+        config = str(CONFIG)
+        if args[0].startswith("CONFIG="):
+            config = args.pop(0).removeprefix("CONFIG=")
+        if "--work-dir" not in args:
+            args += ["--work-dir", str(work_dir)]
+        if "--launcher" not in args:
+            args += ["--launcher", "none"]
+        code = train_main([config, *args])
+        out, err = capfd.readouterr()
+        errors = [line for line in err.splitlines() if line.startswith("error:")
+                  or "error: argument" in line or "unrecognized arguments" in line]
+        problems = []
+        if code != 2:
+            problems.append(f"exit {code}")
+        if "Traceback" in err:
+            problems.append("a traceback")
+        if len(errors) != 1:
+            problems.append(f"{len(errors)} error lines")
+        missing = [w for w in words if not any(w in line for line in errors)]
+        if missing:
+            problems.append(f"no {missing}")
+        if problems:
+            failures.append(f"{args}: {', '.join(problems)}\n    stderr: {err.strip()[-600:]}")
+    assert not failures, f"{len(failures)} of {len(CASES)} cases:\n" + "\n".join(failures)
+    assert _files(tmp_path) == before  # nothing written, nothing changed
+    assert not inputs["marker"].exists()  # nothing ran
+
+
+SINGLE = REPO / "configs" / "digits_single.yaml"
+SHORT = ["schedule.max_epochs=null", "schedule.max_iters=4", "checkpoint.interval=2",
+         "logging.interval=2"]
+
+
+def test_resume_may_change_the_length_and_with_force_anything(tmp_path, capfd, clean_env):
+    work_dir = str(tmp_path / "run")
+    assert train_main([str(SINGLE), "--work-dir", work_dir, "--cfg-options", *SHORT]) == 0
+    first = (tmp_path / "run" / "config.yaml").read_text()
+    # a longer schedule is the same run, going on: no --force needed
+    longer = [*SHORT, "schedule.max_iters=6"]
+    assert train_main([str(SINGLE), "--work-dir", work_dir, "--resume",
+                       "--cfg-options", *longer]) == 0
+    assert "resumed from" in capfd.readouterr().err
+    kept = sorted(p.name for p in (tmp_path / "run").glob("config*.yaml"))
+    assert len(kept) == 2 and (tmp_path / "run" / kept[0]).read_text() == first
+    assert "max_iters: 6" in (tmp_path / "run" / "config.yaml").read_text()
+    # another learning rate is another run: refused, then forced with a warning
+    changed = [*longer, "schedule.max_iters=8", "optim.lr=0.002"]
+    assert train_main([str(SINGLE), "--work-dir", work_dir, "--resume",
+                       "--cfg-options", *changed]) == 2
+    assert "optim.lr: 0.001 -> 0.002; pass --force" in capfd.readouterr().err
+    assert train_main([str(SINGLE), "--work-dir", work_dir, "--resume", "--force",
+                       "--cfg-options", *changed]) == 0
+    err = capfd.readouterr().err
+    assert "warning: resume: --force:" in err and "optim.lr: 0.001 -> 0.002" in err
+    assert "lr: 0.002" in (tmp_path / "run" / "config.yaml").read_text()
+    assert len(list((tmp_path / "run").glob("config*.yaml"))) == 3
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if "mode" not in line]
+    assert steps == [2, 4, 6, 8]
