@@ -282,3 +282,13 @@ def test_iter_timer_averages_over_its_window(monkeypatch):
     timer.after_train_iter(None, 1, None, {})  # 3.0: an iteration of 2.0
     assert timer.iter_time == 1.5 and timer.data_time == 0.375
     assert timer.eta_seconds(4) == 6.0
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_ended_before_the_next_run_writes(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "lo')  # killed mid-write
+    metrics = MetricsFile(path)
+    metrics.write({"step": 2, "loss": 2.25})
+    metrics.write({"step": 3, "loss": 2.0})
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"step": 2, "lo' and [json.loads(x)["step"] for x in lines[2:]] == [2, 3]

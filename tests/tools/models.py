@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import torch.distributed as torch_dist
@@ -37,3 +38,20 @@ class FailingDigitsMLP(DigitsMLP):
             if self.steps == self.fail_at and rank == self.fail_rank:
                 raise RuntimeError(f"injected failure (pid {os.getpid()})")
         return super().forward(batch, mode)
+
+
+class UnsavedNoiseDigitsMLP(DigitsMLP):
+    """Scales its training loss by noise from a ``random.Random`` of its own, seeded with
+    ``noise_seed`` when built (None: from the OS) and saved in no checkpoint: a resumed run
+    draws that stream again from its start, so its losses part from an unbroken run's."""
+
+    def __init__(self, noise: float = 0.1, noise_seed: int | None = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = noise
+        self.rng = random.Random(noise_seed)
+
+    def forward(self, batch, mode="loss"):
+        out = super().forward(batch, mode)
+        if mode == "loss":
+            out["loss"] = out["loss"] * (1 + self.noise * self.rng.random())
+        return out

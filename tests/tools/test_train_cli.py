@@ -133,90 +133,26 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str) -> None:
-    """Start ``cmd`` and SIGKILL all of it as soon as ``checkpoint`` is the newest."""
-    last = work_dir / "checkpoints" / "last"
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    try:
-        while not (last.exists() and last.read_text().strip() == checkpoint):
-            if proc.poll() is not None:
-                pytest.fail(f"the job ended before {checkpoint}:\n{proc.stdout.read()[-3000:]}")
-            assert time.monotonic() < deadline, f"no {checkpoint} within 120 s"
-            time.sleep(0.01)
-    finally:
-        for pid in [*descendants(proc.pid), proc.pid]:  # the workers first, all at once
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.communicate()
-
-
-# the shipped ddp config switched to another strategy on the command line, as a sweep does
-# (ZeRO-2's exact resume is tested in process, tests/wrappers/test_deepspeed.py)
-SWITCHED = {
-    "ddp": [],
-    "fsdp": ["strategy.type=fsdp"],
-    "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
-}
-
+# (SIGKILL then --resume under ddp, fsdp and ZeRO-3 is tools/verify_resume.py's test, in
+# tests/tools/test_verify_resume.py)
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``straight(strategy)``: the work_dir of an uninterrupted SLOW run under that strategy,
-    trained once for all the tests that compare against it."""
-    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
+    """``straight()``: the work_dir of an uninterrupted SLOW ddp run, trained once for all the
+    tests that compare against it."""
+    runs: list[tuple[Path, subprocess.CompletedProcess]] = []
 
-    def straight(strategy: str) -> tuple[Path, subprocess.CompletedProcess]:
-        if strategy not in runs:
-            work_dir = tmp_path_factory.mktemp("straight") / strategy
-            runs[strategy] = (work_dir, run(torchrun(
-                str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
-                "--cfg-options", *SLOW, *SWITCHED[strategy])))
-        work_dir, done = runs[strategy]
+    def straight() -> Path:
+        if not runs:
+            work_dir = tmp_path_factory.mktemp("straight") / "ddp"
+            runs.append((work_dir, run(torchrun(str(CONFIG), "--launcher", "pytorch",
+                                                "--work-dir", str(work_dir),
+                                                "--cfg-options", *SLOW))))
+        work_dir, done = runs[0]
         assert done.returncode == 0, done.stderr[-3000:]
-        return work_dir, done
+        return work_dir
 
     return straight
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(SWITCHED))
-def test_sigkill_then_resume_logs_bit_identical_losses(tmp_path, strategy, straight_runs):
-    """A 2-process job SIGKILLed right after its step-30 checkpoint (the middle of the second
-    20-step epoch) and resumed with --resume logs exactly the losses of a job that never
-    stopped: under ddp, and under fsdp and ZeRO-3 chosen with --cfg-options on the
-    ddp config (whose ddp options are then reported once as ignored)."""
-    options = [*SLOW, *SWITCHED[strategy]]
-    killed = tmp_path / "killed"
-    straight, done = straight_runs(strategy)
-    ignored = [line for line in done.stderr.splitlines() if "ignored for" in line]
-    if strategy == "ddp":
-        assert not ignored
-    else:
-        assert [line.count("strategy.") for line in ignored] == [1, 1], ignored  # once each
-        assert "strategy.find_unused_parameters" in ignored[0]
-
-    _kill_after_checkpoint(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir",
-                                    str(killed), "--cfg-options", *options),
-                           killed, "iter_30.pth")
-    logged_before = {r["step"] for r in train_records(killed)}
-    assert 30 in logged_before and 40 not in logged_before  # killed between 30 and the end
-
-    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(killed),
-                        "--resume", "--cfg-options", *options))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr and "step 30" in done.stderr
-
-    expected = {r["step"]: r["loss"] for r in train_records(straight)}
-    resumed = train_records(killed)
-    after = resumed[[r["step"] for r in resumed].index(31, len(logged_before) - 5):]
-    assert [r["step"] for r in after] == list(range(31, 41))
-    for record in after:
-        assert record["loss"] == expected[record["step"]], record  # bit for bit
-    assert val_records(killed)[-1] == val_records(straight)[-1]
 
 
 def _signal_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str,
@@ -237,11 +173,11 @@ def _signal_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str,
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_checkpoints_and_resumes_exactly(tmp_path, straight_runs):
+def test_sigterm_to_torchrun_checkpoints_and_resumes_exactly(tmp_path, straight_run):
     """torchrun passes SIGTERM on to its workers: they agree on a step, save a checkpoint
     there and stop; --resume then logs the losses of a job that never stopped."""
     stopped = tmp_path / "stopped"
-    straight, _ = straight_runs("ddp")
+    straight = straight_run()
     done = _signal_after_checkpoint(torchrun(str(CONFIG), "--launcher", "pytorch",
                                              "--work-dir", str(stopped), "--cfg-options", *SLOW),
                                     stopped, "iter_10.pth", signal.SIGTERM)
@@ -276,12 +212,12 @@ def test_sigusr1_to_a_single_process_exits_75_after_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_path,
-                                                                     straight_runs):
+                                                                     straight_run):
     """tools/slurm_train.sbatch on the local SLURM: SIGUSR1 to its tasks (what
     ``--signal=USR1@120`` sends before the time limit) makes them checkpoint, requeue the
     job and exit; the requeued job resumes and ends with the losses of an unbroken run."""
     work_dir = tmp_path / "job"
-    straight, _ = straight_runs("ddp")
+    straight = straight_run()
     output = tmp_path / "job.out"
     job = slurm.submit(REPO / "tools" / "slurm_train.sbatch", "-n", "2", f"--chdir={REPO}",
                        f"--output={output}",

@@ -78,13 +78,22 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsFile:
-    """Appends one JSON object per line to ``metrics.jsonl``; writes on rank 0 only."""
+    """Appends one JSON object per line to ``metrics.jsonl``; writes on rank 0 only. A line
+    that a killed run left cut short is ended first, so a resumed run's lines stay whole."""
 
     def __init__(self, path: Path):
         self.path = path
+        self._first = True
 
     @master_only
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({key: _plain(value) for key, value in record.items()})
+        line = json.dumps({key: _plain(value) for key, value in record.items()}) + "\n"
+        if self._first:
+            self._first = False
+            if self.path.is_file() and self.path.stat().st_size:
+                with open(self.path, "rb") as f:
+                    f.seek(-1, 2)
+                    if f.read(1) != b"\n":
+                        line = "\n" + line
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+            f.write(line)
