@@ -78,6 +78,29 @@ def test_the_watcher_names_a_rank_that_stopped_beating():
     assert watcher.store.add(watcher.key("told"), 0) == 1
 
 
+class GoneStore:
+    """A store whose host froze: every call times out."""
+
+    def __getattr__(self, name):
+        def call(*args):
+            raise RuntimeError("Socket Timeout")
+        return call
+
+
+class UnansweredHeartbeat(Heartbeat):
+    def _exit_unanswered(self, seconds: float, error: Exception) -> None:
+        self.unanswered = seconds
+        self._stop.set()
+
+
+def test_a_store_that_stops_answering_ends_the_rank_after_the_timeout():
+    heartbeat = UnansweredHeartbeat(GoneStore(), 1, 2, silent_after=0.5, prefix="t")
+    heartbeat.unanswered = None
+    heartbeat._thread.start()  # start() would beat first, and raise here
+    heartbeat._thread.join(timeout=10)
+    assert heartbeat.unanswered is not None and 0.5 <= heartbeat.unanswered < 2
+
+
 def _posted_failure_body(failing):
     rank, world = dist.get_dist_info()
     with dist.watch_ranks(30) as heartbeat:

@@ -13,6 +13,7 @@ The main thread only records its place (`at_step`, `phase`: attribute writes, no
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -205,20 +206,36 @@ class Heartbeat:
     def _run(self) -> None:
         watched = (self.rank - 1) % self.world_size
         last_seq, changed = -1, time.monotonic()
-        try:
-            while not self._stop.wait(self.interval):
+        answered = time.monotonic()  # when the store last answered
+        while not self._stop.wait(self.interval):
+            try:
                 self._beat()
                 if self.store.check([self.key("stop")]):
                     self._stop_for_posted()
                     return
                 beat = self._read(watched)  # None: not started (silent since this one started)
-                if beat is not None and (beat.seq != last_seq or beat.phase == "finished"):
-                    last_seq, changed = beat.seq, time.monotonic()
-                elif time.monotonic() - changed >= self.silent_after and not self.failing:
-                    self._exit(*self._post(*self.account()))
-        except Exception as error:  # the store is gone: the job is ending anyway
-            if not self._stop.is_set() and not self.failing:
-                log.debug("heartbeat stopped: %s", error)
+            except Exception as error:  # the store's host (rank 0, or the launcher) is gone
+                if self._stop.is_set() or self.failing:
+                    return
+                if time.monotonic() - answered >= self.silent_after:
+                    self._exit_unanswered(time.monotonic() - answered, error)
+                continue
+            answered = time.monotonic()
+            if beat is not None and (beat.seq != last_seq or beat.phase == "finished"):
+                last_seq, changed = beat.seq, time.monotonic()
+            elif time.monotonic() - changed >= self.silent_after and not self.failing:
+                self._exit(*self._post(*self.account()))
+
+    def _exit_unanswered(self, seconds: float, error: Exception) -> None:
+        """The store has not answered for the timeout: its host froze or died, and nobody can
+        be told; each rank says so for itself and ends."""
+        first = (str(error).strip().splitlines() or [""])[0]
+        log.error("rank %d: stopping: the job's store (hosted by rank 0 or the launcher) has "
+                  "not answered for %.0f s: %s", self.rank, seconds, first)
+        for handler in log.handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
 
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this
@@ -336,14 +353,20 @@ class PeerFailure(RuntimeError):
         self.said = said
 
 
-def _store() -> torch_dist.Store | None:
-    """A client of the default group's store for the heartbeat thread alone (None: the group
-    has no store, as under the MPI backend). torch has no public accessor for that store."""
+def _store(silent_after: float) -> torch_dist.Store | None:
+    """A client of the default group's store for the heartbeat alone (None: the group has no
+    store, as under the MPI backend), whose calls give up after a few beats: a store that does
+    not answer is itself news (see `Heartbeat._run`). torch has no public accessor for that
+    store; one without ``clone`` (torch < 2.5) is shared, timeout and all."""
     try:
         store = torch_dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
-    return store.clone() if hasattr(store, "clone") else store
+    if not hasattr(store, "clone"):
+        return store
+    own = store.clone()
+    own.set_timeout(datetime.timedelta(seconds=max(5.0, min(30.0, silent_after / 4))))
+    return own
 
 
 def _prefix() -> str:
@@ -361,7 +384,7 @@ def watch_ranks(silent_after: float) -> Iterator[Heartbeat | None]:
             or torch_dist.get_world_size() == 1:
         yield None
         return
-    store = _store()
+    store = _store(silent_after)
     if store is None:
         log.debug("no heartbeat: the default group has no store")
         yield None
