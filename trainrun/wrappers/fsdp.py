@@ -19,21 +19,11 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
 from trainrun.dist.timeouts import get_timeout
@@ -46,6 +36,14 @@ from trainrun.wrappers.base import (
     save_state_file,
 )
 from trainrun.wrappers.base_model import loss_step
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+# torch.distributed.checkpoint and torch.distributed.fsdp are imported where they are used:
+# together they cost about 1.4 s, which every process of a run under another strategy (and
+# every tool reading the config) would otherwise pay at start-up.
 
 log = logging.getLogger("trainrun")
 
@@ -65,6 +63,8 @@ def parse_dtype(key: str, name: str | None) -> torch.dtype | None:
 
 def mixed_precision_policy(options: dict[str, Any] | None) -> MixedPrecisionPolicy:
     """``{param_dtype, reduce_dtype, output_dtype}`` by name (e.g. 'bf16') as FSDP2's policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     options = dict(options or {})
     unknown = sorted(set(options) - {"param_dtype", "reduce_dtype", "output_dtype"})
     if unknown:
@@ -88,6 +88,8 @@ def check_wrap_keys(wrap: Mapping[str, Any] | None) -> None:
 
 def device_mesh(sharding: str, device: torch.device, shard_size: int | None) -> DeviceMesh:
     """1-D over all ranks (full, grad_op), or 2-D (replicate, shard) for none and hybrid."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     world = get_world_size()
     if sharding in ("full", "grad_op"):
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
@@ -157,6 +159,8 @@ class MMFullyShardedDataParallel(nn.Module):
 
             for unit in units:
                 checkpoint(unit)
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
         kwargs: dict[str, Any] = {
             "mesh": device_mesh(sharding, device, hybrid_shard_size),
             "reshard_after_forward": sharding != "grad_op",
@@ -232,6 +236,8 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 def sharded_model_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The whole model's tensors, plain keys, from a sharded checkpoint directory, read in this
     process alone without the optimiser's state (a third of the memory of reading it all)."""
+    import torch.distributed.checkpoint as dcp
+
     metadata = check_metadata(path)
     model = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -270,6 +276,8 @@ def _quiet_single_process() -> Iterator[None]:
 def _sharded_state(module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     """This rank's shards of model and optimiser, keyed by the plain model's names: what DCP
     saves, and the template it loads into."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(
         module, [optimizer] if optimizer is not None else [])
     return {"model": model_state} if optimizer is None else \
@@ -335,6 +343,8 @@ class FSDPStrategy(Strategy):
         """The full state with the plain model's keys; a collective: call it on every rank."""
         if not self._sharded(model):
             return super().model_state_dict(model)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         state = get_model_state_dict(self.unwrap(model), options=StateDictOptions(
             full_state_dict=True))
         return {key: value.cpu() for key, value in state.items()}  # on every rank
@@ -343,6 +353,8 @@ class FSDPStrategy(Strategy):
         """Load a full state (every rank holds it) into the shards."""
         if not self._sharded(model):
             return super().load_model_state_dict(model, state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         set_model_state_dict(self.unwrap(model), state,
                              options=StateDictOptions(full_state_dict=True))
         return None
@@ -351,6 +363,8 @@ class FSDPStrategy(Strategy):
                         extra: dict[str, Any]) -> None:
         """A directory: every rank's shard of model and optimiser (DCP) plus rank 0's
         ``extra`` in a plain torch file. Called on every rank."""
+        import torch.distributed.checkpoint as dcp
+
         state = _sharded_state(self.unwrap(model), optimizer)
         _start_directory(path, extra)
         with _quiet_single_process():
@@ -362,6 +376,8 @@ class FSDPStrategy(Strategy):
         """`save_checkpoint` through DCP's `async_save`: the shards are copied to CPU memory,
         then written by a background thread whose collectives run on a gloo group of their
         own, so they never interleave with training's. Called on every rank."""
+        import torch.distributed.checkpoint as dcp
+
         state = _sharded_state(self.unwrap(model), optimizer)
         _start_directory(path, extra)
         if self._save_group is None and is_distributed():
@@ -383,6 +399,9 @@ class FSDPStrategy(Strategy):
         the runner's state. Reads checkpoints of any world size."""
         if not Path(path).is_dir():
             return super().load_checkpoint(path, model, optimizer)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         check_metadata(path)
         module = self.unwrap(model)
         state = _sharded_state(module, optimizer)

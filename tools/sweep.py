@@ -1,0 +1,15 @@
+"""Train every point of a hyper-parameter grid and summarise them (see `trainrun.runner.sweep`
+and the README).
+
+    python tools/sweep.py CONFIG --grid optim.lr=1e-3,3e-3 model.hidden=64,128
+                          [--cfg-options key=value ...] [--work-dir DIR] [--nproc N]
+                          [--launcher {local,slurm}] [--sbatch-args '...'] [--wait]
+                          [--summary-only] [--dry-run]
+"""
+
+import sys
+
+from trainrun.runner.sweep import sweep_main
+
+if __name__ == "__main__":
+    sys.exit(sweep_main())
