@@ -241,6 +241,18 @@ def share_fp32_master(zero_optimizer: Any) -> int:
 _ds_groups_for: list[Any] = [None]  # the default group DeepSpeed's cached groups belong to
 
 
+def _skip_shared_memory_comm_build() -> None:
+    """On the CPU accelerator DeepSpeed compiles a shared-memory all-reduce kernel (its
+    ``deepspeed_shm_comm`` op, about 50 s of C++ the first time in an environment) when its
+    communication starts; only its inference all-reduce uses it, never training. Marking the
+    op unavailable makes DeepSpeed skip the build, as it does on platforms without it."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict) and "deepspeed_shm_comm" in compatible:
+        compatible["deepspeed_shm_comm"] = False
+
+
 def _forget_stale_deepspeed_groups() -> None:
     """DeepSpeed caches the groups it derives from the default process group in module
     globals; after that group is destroyed and another created in the same process, they are
@@ -417,6 +429,7 @@ class DeepSpeedStrategy(Strategy):
         if isinstance(optimizer, Mapping):
             raise ValueError("strategy 'deepspeed' takes one optimiser; optim.per_module "
                              "needs strategy 'separate_ddp'")
+        _skip_shared_memory_comm_build()
         self._ensure_group()
         import deepspeed
 
