@@ -196,7 +196,10 @@ class Heartbeat:
         self._stop.set()
         self._thread.join()
         if not self.failing:
-            self._beat("finished")
+            try:
+                self._beat("finished")
+            except Exception as error:  # the run itself is done; say why, do not fail it
+                log.warning("heartbeat: could not report this rank finished: %s", error)
 
     def _beat(self, phase: str | None = None) -> None:
         self._seq += 1
