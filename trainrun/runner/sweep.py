@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import io
 import itertools
 import json
@@ -54,12 +53,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from trainrun.runner.checks import show
+from trainrun.runner.metrics import Series, read_run
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_PREEMPTED = 75  # tools/train.py after SIGTERM/SIGUSR1: checkpoint written
@@ -708,24 +706,11 @@ def task_main(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- summary
 
-@cache
-def plot_metrics() -> ModuleType:
-    """tools/plot_metrics.py (tools/ is not a package), for its run reader."""
-    spec = importlib.util.spec_from_file_location("trainrun_plot_metrics",
-                                                  TOOLS / "plot_metrics.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-Series = dict[str, list[tuple[int, float]]]
-
-
 def read_point(work_dir: Path) -> tuple[Series, Series]:
     """A point's training and validation series, one value per step: where an attempt was cut
     short and a resumed one logged the same step again, the later line counts."""
     try:
-        train, val = plot_metrics().read_run(work_dir)
+        train, val = read_run(work_dir)
     except ValueError:  # no metrics.jsonl, or nothing in it yet
         return {}, {}
     return ({k: sorted(dict(v).items()) for k, v in train.items()},
