@@ -14,6 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.runner.toy import Payload
+from trainrun.runner import cli
 from trainrun.runner.cli import train_main
 from trainrun.runner.config import load_config
 
@@ -170,6 +171,19 @@ def test_bad_input_is_refused_with_exit_2_one_line_and_nothing_written(tmp_path,
     assert not failures, f"{len(failures)} of {len(CASES)} cases:\n" + "\n".join(failures)
     assert _files(tmp_path) == before  # nothing written, nothing changed
     assert not inputs["marker"].exists()  # nothing ran
+
+
+def test_the_test_tool_refuses_what_is_no_checkpoint(tmp_path, capfd, clean_env):
+    inputs = _make_inputs(tmp_path / "inputs")
+    for name, words in [("garbage", ["not a readable checkpoint"]),
+                        ("crafted", ["refused", "system"]), ("plain_dir", ["last"])]:
+        code = cli.test_main([str(CONFIG), str(inputs[name]), "--launcher", "none",
+                          "--work-dir", str(tmp_path / "run")])
+        err = capfd.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error: CHECKPOINT: ")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert all(word in errors[0] for word in words), errors[0]
+    assert not (tmp_path / "run").exists() and not inputs["marker"].exists()
 
 
 SINGLE = REPO / "configs" / "digits_single.yaml"

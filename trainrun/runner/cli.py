@@ -216,7 +216,8 @@ def prepare_test(argv: Sequence[str] | None = None) -> Job:
     if not os.path.exists(args.checkpoint):
         raise ConfigError(f"CHECKPOINT: got {args.checkpoint!r}, expected an existing "
                           f"checkpoint file or directory")
-    values = {**_command_line_values(args), "load_from": args.checkpoint, "resume": False}
+    checkpoint = _checked_checkpoint("CHECKPOINT", args.checkpoint)
+    values = {**_command_line_values(args), "load_from": checkpoint, "resume": False}
     warnings: list[str] = []
     cfg = load_config(args.config, args.cfg_options, values=values, mode="test",
                       on_warning=warnings.append)
