@@ -147,6 +147,25 @@ def describe(beats: dict[int, Beat | None], now: float, silent_after: float,
 
 # ---------------------------------------------------------------- the heartbeat
 
+def _first_line(error: BaseException) -> str:
+    """An error's message, its first line only (backends' messages run to pages; the
+    runner's twin is trainrun.runner.checks.first_line, which dist may not import)."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def _flush_logs() -> None:
+    for handler in log.handlers:
+        handler.flush()
+    sys.stderr.flush()
+
+
+def _end_process() -> None:
+    """End this process now, from the heartbeat thread: the main thread may be stuck in a
+    collective that never returns, so no exception could reach it."""
+    _flush_logs()
+    os._exit(EXIT_STOPPED)
+
+
 class _LockedStore:
     """A store whose calls take turns: the heartbeat thread and the main thread share one."""
 
@@ -232,13 +251,9 @@ class Heartbeat:
     def _exit_unanswered(self, seconds: float, error: Exception) -> None:
         """The store has not answered for the timeout: its host froze or died, and nobody can
         be told; each rank says so for itself and ends."""
-        first = (str(error).strip().splitlines() or [""])[0]
         log.error("rank %d: stopping: the job's store (hosted by rank 0 or the launcher) has "
-                  "not answered for %.0f s: %s", self.rank, seconds, first)
-        for handler in log.handlers:
-            handler.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_STOPPED)
+                  "not answered for %.0f s: %s", self.rank, seconds, _first_line(error))
+        _end_process()
 
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this
@@ -249,13 +264,11 @@ class Heartbeat:
         while time.monotonic() < deadline and not self.failing:
             time.sleep(0.05)
         if not self.failing:
-            sys.stderr.flush()
-            os._exit(EXIT_STOPPED)
+            _end_process()
 
     def _exit(self, message: str, culprits: list[int]) -> None:
         self.conclude(message, culprits)
-        sys.stderr.flush()
-        os._exit(EXIT_STOPPED)
+        _end_process()
 
     def conclude(self, message: str, culprits: list[int]) -> None:
         """Say why the job stops (on one rank: the lowest that is not a culprit), then count
@@ -266,8 +279,7 @@ class Heartbeat:
             self._concluded = True
         if self.reports(culprits):
             log.error("stopping every rank: %s", message)
-            for handler in log.handlers:
-                handler.flush()
+            _flush_logs()
         self.store.add(self.key("told"), 1)
 
     # -------------------------------------------------------- the store
@@ -311,10 +323,10 @@ class Heartbeat:
         them a few seconds to say so before this rank exits (a launcher such as torchrun
         kills the other ranks as soon as one exits)."""
         self.failing = True
-        first = (str(error).strip().splitlines() or [""])[0]
         where = Beat(0, 0.0, _place.step, _place.phase).where()
         try:
-            self._post(f"rank {self.rank} failed {where}: {type(error).__name__}: {first}",
+            self._post(f"rank {self.rank} failed {where}: {type(error).__name__}: "
+                       f"{_first_line(error)}",
                        [self.rank])
             deadline = time.monotonic() + self.GRACE + 3
             while self.store.add(self.key("told"), 0) < self.world_size - 1 \

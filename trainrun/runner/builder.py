@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainrun.examples import resolve
+from trainrun.runner.checks import first_line
 from trainrun.runner.config import ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
@@ -44,8 +45,7 @@ def construct(key: str, kind: str, name: str, options: Mapping[str, Any]) -> Any
     try:
         return target(**options)
     except ValueError as error:
-        first = (str(error).strip().splitlines() or [""])[0]
-        raise ConfigError(f"{key}: {name} refused its arguments: {first}") from None
+        raise ConfigError(f"{key}: {name} refused its arguments: {first_line(error)}") from None
 
 
 def build_model(cfg: Mapping[str, Any]) -> nn.Module:

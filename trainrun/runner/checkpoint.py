@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from trainrun.dist import all_reduce, barrier, broadcast_object_list, is_main_process
+from trainrun.runner.files import TMP_PREFIX, fsync_dir, write_atomically
 from trainrun.wrappers.base import (
     TRAIN_STATE,
     Optimizers,
@@ -35,17 +36,8 @@ from trainrun.wrappers.deepspeed import (
 )
 from trainrun.wrappers.fsdp import check_metadata, is_sharded_checkpoint, sharded_model_weights
 
-TMP_PREFIX = ".tmp-"
 LAST = "last"
 _STEP = re.compile(r"^(epoch|iter)_(\d+)")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove(path: Path) -> None:
@@ -53,16 +45,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 @dataclass
@@ -165,9 +147,9 @@ class CheckpointManager:
             if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
                 _remove(final)  # only a file is renamed over a file (atomically)
             os.replace(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             if update_last:
-                _write_atomically(self.directory / LAST, final.name + "\n")
+                write_atomically(self.directory / LAST, final.name + "\n")
                 self._prune()
         barrier()
 

@@ -1,4 +1,5 @@
-"""Small helpers that the config and schedule checks share: type tests and message parts."""
+"""Small helpers that the config and schedule checks and the one-line reports share: type
+tests and message parts."""
 
 from __future__ import annotations
 
@@ -37,3 +38,8 @@ def closest(word: str, known: Iterable[str],
     aliases = aliases or {}
     alias = difflib.get_close_matches(str(word).lower(), list(aliases), n=1, cutoff=0.75)
     return aliases[alias[0]] if alias and aliases[alias[0]] in known else None
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message, its first line only: what a one-line report shows of it."""
+    return (str(error).strip().splitlines() or [""])[0]

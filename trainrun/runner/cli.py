@@ -19,17 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig
 
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
+from trainrun.runner.checks import first_line
 from trainrun.runner.config import (
     LAUNCHERS,
     ConfigError,
-    config_changes,
     dataset_kwargs,
     load_config,
+    saved_config_changes,
 )
 from trainrun.runner.plan import STARTERS, describe_plan, env_rank
 from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
@@ -168,11 +168,7 @@ def _check_resumed_config(cfg: DictConfig, force: bool) -> list[str]:
     saved_file = Path(cfg.work_dir) / "config.yaml"
     if not saved_file.is_file():
         return []
-    try:
-        saved = yaml.safe_load(saved_file.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"resume: cannot read {saved_file}: {error}") from None
-    changes = config_changes(saved if isinstance(saved, dict) else {}, cfg)
+    changes = saved_config_changes(saved_file, cfg)
     if not changes:
         return []
     listed = "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more"
@@ -267,8 +263,7 @@ def _report_failure(error: BaseException, cfg: DictConfig, runner: Any) -> int:
         traceback.print_exception(error, file=sys.stderr)
     step = _step(error, runner)
     where = f"rank {_rank(cfg)}" + (f", step {step}" if step is not None else "")
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    _say(f"{where}: {type(error).__name__}: {first_line}")
+    _say(f"{where}: {type(error).__name__}: {first_line(error)}")
     return EXIT_FAILED
 
 
@@ -311,8 +306,8 @@ def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
         dataset = resolve("dataset", train.type)(**dataset_kwargs(train))
         return len(dataset), None
     except Exception as error:  # a plan reports what it cannot know, it does not fail
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return None, f"could not build data.train: {type(error).__name__}: {first_line}"
+        return None, (f"could not build data.train: {type(error).__name__}: "
+                      f"{first_line(error)}")
 
 
 def dry_run(job: Job) -> int:

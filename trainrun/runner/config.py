@@ -651,6 +651,17 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
     return changes
 
 
+def saved_config_changes(config_file: Path, now: Mapping[str, Any],
+                         may_change: Iterable[str] = RESUME_MAY_CHANGE) -> list[str]:
+    """`config_changes` from a run's saved ``config.yaml`` to ``now``. Raises ConfigError
+    when the file cannot be read."""
+    try:
+        saved = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"resume: cannot read {config_file}: {error}") from None
+    return config_changes(saved if isinstance(saved, dict) else {}, now, may_change)
+
+
 def strategy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The chosen strategy's options from a validated config, as plain values."""
     strategy = _to_plain(cfg["strategy"])

@@ -42,8 +42,10 @@ from trainrun.runner.builder import (
     wrap_optimizers,
 )
 from trainrun.runner.checkpoint import CheckpointManager, read_weights
-from trainrun.runner.config import LAUNCH_KEYS, ConfigError, config_changes
+from trainrun.runner.checks import first_line
+from trainrun.runner.config import LAUNCH_KEYS, ConfigError, saved_config_changes
 from trainrun.runner.evaluation import BaseMetric
+from trainrun.runner.files import write_atomically
 from trainrun.runner.hooks import (
     CheckpointHook,
     Hook,
@@ -197,9 +199,7 @@ class Runner:
         (how its processes start aside); one that differs (a longer schedule, or anything with
         --force) is kept beside it as ``config.<time>.yaml``."""
         if self.resume_from and config_file.exists():
-            saved = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-            if not config_changes(saved if isinstance(saved, dict) else {}, self.cfg,
-                                  may_change=LAUNCH_KEYS):
+            if not saved_config_changes(config_file, self.cfg, may_change=LAUNCH_KEYS):
                 return
             stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
             kept = config_file.with_name(f"config.{stamp}.yaml")
@@ -207,11 +207,9 @@ class Runner:
                 n += 1
                 kept = config_file.with_name(f"config.{stamp}-{n}.yaml")
             os.replace(config_file, kept)
-        text = OmegaConf.to_yaml(self.cfg, resolve=True) if isinstance(self.cfg, DictConfig) \
-            else yaml.safe_dump(dict(self.cfg), sort_keys=False)
-        tmp = config_file.with_name(".tmp-config.yaml")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, config_file)
+        write_atomically(config_file, OmegaConf.to_yaml(self.cfg, resolve=True)
+                         if isinstance(self.cfg, DictConfig)
+                         else yaml.safe_dump(dict(self.cfg), sort_keys=False))
 
     def _loader(self, loader: Any, split: str) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
@@ -298,9 +296,7 @@ class Runner:
                 raise
             except Exception as error:
                 self.failed_at_step = self.iter + 1
-                peers = self._peer_failure(error, heartbeat)
-                if peers is not None:
-                    raise peers from error
+                self._tell_peers(error, heartbeat)
                 self.logger.exception("rank %d: training failed at step %d (epoch %d)",
                                       self.rank, self.iter + 1, self.epoch + 1)
                 raise
@@ -311,20 +307,22 @@ class Runner:
         return self.model
 
     @staticmethod
-    def _peer_failure(error: Exception, heartbeat: Heartbeat | None) -> PeerFailure | None:
-        """For a failed collective: why, in the heartbeat's words (another rank failed or went
-        silent). For a failure of this rank's own: None, after telling the other ranks."""
+    def _tell_peers(error: Exception, heartbeat: Heartbeat | None) -> None:
+        """For a failed collective, raise `PeerFailure` saying why in the heartbeat's words
+        (another rank failed or went silent); for a failure of this rank's own, tell the other
+        ranks and return (the caller re-raises it)."""
         if heartbeat is None:
-            return None
+            return
         if not is_comm_error(error):
             heartbeat.post_failure(error)
-            return None
+            return
         try:
-            return PeerFailure(heartbeat.explain())
+            why = PeerFailure(heartbeat.explain())
         except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
-            first = (str(error).strip().splitlines() or [""])[0]
-            return PeerFailure(f"rank {heartbeat.rank} lost contact with the other ranks "
-                               f"({first}; and the job's store: {store_error})", said=False)
+            why = PeerFailure(f"rank {heartbeat.rank} lost contact with the other ranks "
+                              f"({first_line(error)}; and the job's store: {store_error})",
+                              said=False)
+        raise why from error
 
     def val(self) -> dict[str, float]:
         """Validate on the val data; every rank gets the metrics."""
@@ -345,9 +343,7 @@ class Runner:
             try:
                 return loop.run()
             except Exception as error:
-                peers = self._peer_failure(error, heartbeat)
-                if peers is not None:
-                    raise peers from error
+                self._tell_peers(error, heartbeat)
                 raise
 
     # ------------------------------------------------------------------ checkpoints

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.runner.checks import show
+from trainrun.runner.files import write_atomically
 from trainrun.runner.metrics import Series, read_run
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -331,14 +332,6 @@ def check_same_sweep(sweep: Sweep) -> None:
                 f"--work-dir {sweep.directory}: it holds another sweep ({field} there: "
                 f"{json.dumps(old.get(field))}; here: {json.dumps(value)}); choose another "
                 f"--work-dir, or repeat that sweep's command")
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write under a temporary name, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def write_manifest(sweep: Sweep) -> None:

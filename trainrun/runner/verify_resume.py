@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
 
 EXIT_EXACT, EXIT_DIFFERENT, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 1, 2, 130
 TRAIN = Path(__file__).resolve().parents[2] / "tools" / "train.py"
 METRICS = "metrics.jsonl"
-LAST = "last"  # checkpoints/last names the newest checkpoint (trainrun.runner.checkpoint)
 POLL_SECONDS = 0.002  # how often the interrupted run's checkpoints/last is looked for
 NOT_COMPARED = ("step", "mode", "time", "data_time")  # wall-clock times differ in every run
 FOLLOWING = 3  # steps shown after the first one that differs
