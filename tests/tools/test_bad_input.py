@@ -6,7 +6,7 @@ tests/tools/test_train_cli.py checks the same contract through a real process.""
 from __future__ import annotations
 
 import json
-import os
+import random
 from pathlib import Path
 
 import pytest
@@ -44,7 +44,7 @@ def _make_inputs(root: Path) -> dict[str, Path]:
     files["a_list"] = root / "list.yaml"
     files["a_list"].write_text("- model\n- data\n")
     files["garbage"] = root / "garbage.pth"
-    files["garbage"].write_bytes(os.urandom(4096))
+    files["garbage"].write_bytes(random.Random(0).randbytes(4096))
     files["crafted"] = root / "crafted.pth"
     torch.save({"model": {}, "meta": Payload(str(marker))}, files["crafted"])
     files["plain_dir"] = root / "not_a_checkpoint"

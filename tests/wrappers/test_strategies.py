@@ -330,3 +330,19 @@ def test_load_state_file_refuses_a_crafted_pickle(tmp_path, monkeypatch, raw_pic
     with pytest.raises(pickle.UnpicklingError):
         SingleDeviceStrategy().load_checkpoint(str(tmp_path / "evil.pth"), ToyModel(), None)
     assert not marker.exists()
+
+
+def test_load_state_file_calls_any_damaged_file_unreadable(tmp_path):
+    """Bytes that are no pickle make torch's weights_only unpickler fail in many ways (an
+    IndexError or KeyError from its stack or memo, EOFError, UnpicklingError, ...): every one
+    is the same one-line ValueError. 400 seeded random files hit each kind here."""
+    import random
+    import warnings
+
+    path = tmp_path / "damaged.pth"
+    for seed in range(400):
+        path.write_bytes(random.Random(seed).randbytes(4096))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about pickle protocols it sees
+            with pytest.raises(ValueError, match="not a readable checkpoint"):
+                load_state_file(str(path))

@@ -11,6 +11,7 @@ import contextlib
 import os
 import pickle
 import re
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -185,7 +186,9 @@ def load_state_file(path: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def refusing_unsafe(path: str | os.PathLike) -> Iterator[None]:
     """Turn torch's page-long weights_only refusal inside the block into one line naming the
-    refused global, and a file torch cannot read into a ValueError."""
+    refused global, and a file torch cannot read into a ValueError (bytes that are no pickle
+    make torch's unpickler fail in many ways: an IndexError or KeyError from its stack and memo
+    as often as an UnpicklingError)."""
     try:
         yield
     except pickle.UnpicklingError as error:
@@ -199,3 +202,7 @@ def refusing_unsafe(path: str | os.PathLike) -> Iterator[None]:
     except RuntimeError as error:  # not a torch file, or a truncated one
         raise ValueError(f"{path}: not a readable checkpoint: "
                          f"{str(error).splitlines()[0]}") from None
+    except (EOFError, IndexError, KeyError, UnicodeDecodeError, struct.error) as error:
+        raise ValueError(f"{path}: not a readable checkpoint (torch cannot read it: "
+                         f"written by something else, or damaged; {type(error).__name__})"
+                         ) from None
