@@ -15,6 +15,7 @@ import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -55,6 +56,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     # The options this strategy takes under `strategy:` in the config, with their defaults.
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    # In a checkpoint of this strategy, the names of the files each rank writes itself: group 1
+    # is the writer's rank. Files it does not match (all, if None) are rank 0's.
+    WRITER_RANK: ClassVar[re.Pattern[str] | None] = None
 
     def __init__(self, **options: Any):
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -116,6 +120,18 @@ class Strategy(ABC):
         if is_main_process():
             save_state_file(path, self._whole_state(model, optimizer, extra))
         barrier()
+
+    def own_files(self, path: str | os.PathLike, rank: int) -> list[Path]:
+        """The files of the checkpoint at ``path`` (a file, or a directory) that ``rank`` wrote:
+        the ones it can fsync and hash from its own page cache (another rank's may be on
+        another node)."""
+        path = Path(path)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        return [file for file in files if self._writer_rank(file.name) == rank]
+
+    def _writer_rank(self, name: str) -> int:
+        found = self.WRITER_RANK.search(name) if self.WRITER_RANK is not None else None
+        return int(found.group(1)) if found else 0
 
     def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                               extra: dict[str, Any]) -> Future:

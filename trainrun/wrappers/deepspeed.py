@@ -149,18 +149,12 @@ def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextMan
     return torch.autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
 
 
-_PARTITION_RANK = re.compile(r"zero_pp_rank_(\d+)_")
-
-
-def _fsync_own_files(path: str | os.PathLike, rank: int) -> None:
+def _fsync(files: list[Path]) -> None:
     """Put on disk what DeepSpeed wrote (it saves without fsync), so that a checkpoint is
-    never published before its bytes are durable: each rank its own partitions' files,
-    rank 0 also the shared ones."""
-    for file in Path(path).rglob("*"):
-        found = _PARTITION_RANK.search(file.name)
-        if file.is_file() and (int(found.group(1)) == rank if found else rank == 0):
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
+    never published before its bytes are durable."""
+    for file in files:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
@@ -367,6 +361,7 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
+    WRITER_RANK = re.compile(r"zero_pp_rank_(\d+)_")  # each rank's partition files
     OPTIONS = {
         "zero_stage": None,  # 0 | 1 | 2 | 3
         "offload_optimizer": None,  # optimiser state (and step) on the CPU
@@ -490,7 +485,7 @@ class DeepSpeedStrategy(Strategy):
                         "run resumed from it will differ from one that never stopped (make "
                         "checkpoint.interval a multiple of optim.accumulate)")
         self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
-        _fsync_own_files(path, get_rank())
+        _fsync(self.own_files(path, get_rank()))
         if is_main_process():
             save_state_file(Path(path) / TRAIN_STATE, extra)
         barrier()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
@@ -299,6 +300,7 @@ class FSDPStrategy(Strategy):
     """Parameters, gradients and optimiser state sharded over ranks (`fully_shard`)."""
 
     name = "fsdp"
+    WRITER_RANK = re.compile(r"^__(\d+)[_.]")  # DCP's shards: __<rank>_<n>.distcp
     OPTIONS = {
         "sharding": "full",
         "mixed_precision": None,
