@@ -17,7 +17,9 @@ import torch
 import trainrun.dist as dist
 from tests.runner.toy import CrashAfter, Killed, ToyModel, write_crafted_checkpoint
 from trainrun.runner import checkpoint as checkpoint_module
+from trainrun.runner import manifest
 from trainrun.runner.checkpoint import CheckpointManager
+from trainrun.runner.manifest import verify_checkpoint
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
 from trainrun.wrappers.base import load_state_file
@@ -27,6 +29,11 @@ CPU = torch.device("cpu")
 
 def listing(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
+
+
+def hashed(*names: str) -> list[str]:
+    """One-file checkpoints as a listing shows them: each with its sidecar manifest."""
+    return sorted(n for name in names for n in (name, name + ".sha256"))
 
 
 def last_names(directory: Path) -> str:
@@ -64,8 +71,9 @@ def test_save_writes_under_a_temporary_name_then_publishes(tmp_path, monkeypatch
     path = manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
     assert path == manager.directory / "iter_1.pth"
     assert written == [".tmp-iter_1.pth"]
-    assert renamed == [(".tmp-iter_1.pth", "iter_1.pth"), (".tmp-last", "last")]  # last, last
-    assert listing(manager.directory) == ["iter_1.pth", "last"]
+    assert renamed == [(".tmp-iter_1.pth.sha256", "iter_1.pth.sha256"),  # its manifest first
+                       (".tmp-iter_1.pth", "iter_1.pth"), (".tmp-last", "last")]  # last, last
+    assert listing(manager.directory) == [*hashed("iter_1.pth"), "last"]
     assert last_names(manager.directory) == "iter_1.pth"
     assert load_state_file(str(path))["meta"] == {"iter": 1}
     assert manager.latest() == path
@@ -75,7 +83,7 @@ def test_max_keep_prunes_the_oldest_by_step_number(tmp_path):
     manager, model, optimizer = _manager(tmp_path, max_keep=2)
     for epoch in (8, 9, 10, 11):
         manager.save(f"epoch_{epoch}", model, optimizer, {})
-    assert listing(manager.directory) == ["epoch_10.pth", "epoch_11.pth", "last"]  # not 8, 9
+    assert listing(manager.directory) == [*hashed("epoch_10.pth", "epoch_11.pth"), "last"]
     assert last_names(manager.directory) == "epoch_11.pth"
 
 
@@ -86,9 +94,9 @@ def test_best_checkpoints_are_not_pruned_and_do_not_move_last(tmp_path):
     assert last_names(manager.directory) == "iter_1.pth"
     manager.save("iter_2", model, optimizer, {})
     manager.save("iter_3", model, optimizer, {})
-    assert listing(manager.directory) == ["best_mse_iter_1.pth", "iter_3.pth", "last"]
+    assert listing(manager.directory) == [*hashed("best_mse_iter_1.pth", "iter_3.pth"), "last"]
     manager.remove(best)
-    assert listing(manager.directory) == ["iter_3.pth", "last"]
+    assert listing(manager.directory) == [*hashed("iter_3.pth"), "last"]
 
 
 @pytest.mark.parametrize(("max_keep", "kept"), [(-1, ["iter_1.pth", "iter_2.pth", "iter_3.pth"]),
@@ -97,7 +105,7 @@ def test_keep_all_and_never_prune_the_newest(tmp_path, max_keep, kept):
     manager, model, optimizer = _manager(tmp_path, max_keep=max_keep)
     for step in (1, 2, 3):
         manager.save(f"iter_{step}", model, optimizer, {})
-    assert listing(manager.directory) == [*kept, "last"]
+    assert listing(manager.directory) == [*hashed(*kept), "last"]
     assert manager.latest() == manager.directory / "iter_3.pth"
 
 
@@ -126,12 +134,12 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_in_charge(tmp_path
     with pytest.raises(Killed):
         manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
     monkeypatch.undo()
-    assert listing(manager.directory) == [".tmp-iter_2.pth", "iter_1.pth", "last"]
+    assert listing(manager.directory) == [".tmp-iter_2.pth", *hashed("iter_1.pth"), "last"]
     assert last_names(manager.directory) == "iter_1.pth"
     assert manager.latest() == first
     assert load_state_file(str(first))["meta"] == {"iter": 1}
     manager.clean_partial()
-    assert listing(manager.directory) == ["iter_1.pth", "last"]
+    assert listing(manager.directory) == [*hashed("iter_1.pth"), "last"]
     manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
     assert last_names(manager.directory) == "iter_2.pth"
 
@@ -152,6 +160,27 @@ def test_a_crash_while_publishing_a_resave_keeps_the_old_file(tmp_path, monkeypa
     latest = manager.latest()
     assert latest == manager.directory / "iter_4.pth"
     assert load_state_file(str(latest))["meta"] == {"iter": 4, "copy": 1}
+
+
+def test_a_crash_between_the_manifest_and_its_checkpoint_leaves_no_orphan(tmp_path,
+                                                                        monkeypatch):
+    """A one-file checkpoint's sidecar is renamed into place before the checkpoint: a crash
+    between the two leaves a sidecar of nothing, which the next save removes."""
+    manager, model, optimizer = _manager(tmp_path)
+    real_replace = os.replace
+
+    def killed_at_the_checkpoint(src, dst):
+        if Path(dst).name == "iter_1.pth":
+            raise Killed("killed while renaming")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", killed_at_the_checkpoint)
+    with pytest.raises(Killed):
+        manager.save("iter_1", model, optimizer, {})
+    monkeypatch.undo()
+    assert listing(manager.directory) == [".tmp-iter_1.pth", "iter_1.pth.sha256"]
+    manager.save("iter_2", model, optimizer, {})
+    assert listing(manager.directory) == [*hashed("iter_2.pth"), "last"]
 
 
 # ---------------------------------------------------------------- crash, then resume
@@ -220,14 +249,14 @@ def test_resume_after_a_crash_during_a_save_uses_the_previous_checkpoint(run_on,
                                                                          world_size):
     straight, work_dir = tmp_path / "straight", tmp_path / "crashed"
     results = run_on(world_size)(_crash_then_resume_body, str(straight), str(work_dir))
-    assert results[0][0] == [".tmp-iter_4.pth", "iter_2.pth", "last"]
+    assert results[0][0] == [".tmp-iter_4.pth", *hashed("iter_2.pth"), "last"]
     assert [r[1] for r in results] == [6] * world_size
     logged = _train_losses(work_dir)
     # first run: steps 1..4 (it died saving after step 4); resumed: steps 3..6 from iter_2
     assert [step for step, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert logged[4:] == _train_losses(straight)[2:]  # the very losses of an unbroken run
     checkpoints = work_dir / "checkpoints"
-    assert listing(checkpoints) == ["iter_2.pth", "iter_4.pth", "iter_6.pth", "last"]
+    assert listing(checkpoints) == [*hashed("iter_2.pth", "iter_4.pth", "iter_6.pth"), "last"]
     assert last_names(checkpoints) == "iter_6.pth"
 
 
@@ -291,7 +320,8 @@ class HeldWrites(DDPStrategy):
 
 
 class Release:
-    """At step ``step`` (before the checkpoint hook polls), lets the held writes finish."""
+    """At step ``step`` (before the checkpoint hook polls), lets the held writes finish, and
+    waits until they are written and hashed."""
 
     priority = 10
 
@@ -304,7 +334,7 @@ class Release:
     def after_train_iter(self, runner, batch_idx, batch, outputs):
         if runner.iter == self.step:
             self.strategy.release.set()
-            self.strategy.futures[-1].result()
+            runner.checkpoints._pending.future.result()
 
 
 class LastSeen:
@@ -339,8 +369,8 @@ def test_a_background_save_is_published_only_when_written(run_on, tmp_path, worl
     for seen in run_on(world_size)(_held_body, str(tmp_path)):
         assert seen[:4] == [None, None, "iter_2.pth", "iter_2.pth"]
     checkpoints = tmp_path / "checkpoints"
-    assert listing(checkpoints) == ["iter_2.pth", "iter_4.pth", "iter_6.pth", "iter_8.pth",
-                                    "last"]
+    assert listing(checkpoints) == [*hashed("iter_2.pth", "iter_4.pth", "iter_6.pth",
+                                            "iter_8.pth"), "last"]
     assert last_names(checkpoints) == "iter_8.pth"  # the end waits for the last write
     assert [step for step, _ in _train_losses(tmp_path)] == list(range(1, 9))
     state = load_state_file(str(checkpoints / "iter_2.pth"))
@@ -378,6 +408,28 @@ def test_background_saves_resume_exactly(run_on, tmp_path, strategy):
     for step, loss in logged:
         assert loss == expected[step], step
     assert last_names(work_dir / "checkpoints") == "iter_10.pth"
+
+
+def test_a_background_save_is_hashed_while_training_goes_on(tmp_path, monkeypatch):
+    """The hashing of a background save runs after its write, off the training thread; the
+    checkpoint is published once it is hashed, with its manifest."""
+    manager, model, optimizer = _manager(tmp_path, strategy=DDPStrategy())
+    release, hashed = threading.Event(), []
+    real = manifest.written_sha256
+
+    def held(file):
+        release.wait(10)
+        hashed.append(file.name)
+        return real(file)
+
+    monkeypatch.setattr(manifest, "written_sha256", held)
+    manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}}, background=True)
+    manager.poll()
+    assert hashed == [] and not (manager.directory / "last").exists()  # returned, not hashed
+    release.set()
+    manager.finish()
+    assert hashed == [".tmp-iter_1.pth"] and last_names(manager.directory) == "iter_1.pth"
+    assert verify_checkpoint(manager.directory / "iter_1.pth", alone=True) is True
 
 
 # ---------------------------------------------------------------- crafted pickles

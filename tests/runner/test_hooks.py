@@ -178,8 +178,9 @@ def test_save_best_in_a_run(tmp_path, rule):
     pick = min if rule == "less" else max
     best_epoch = pick(val, key=lambda item: item[1])[0]
     checkpoints = tmp_path / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == sorted(
-        [f"best_mse_epoch_{best_epoch}.pth", "epoch_4.pth", "last"])
+    assert sorted(p.name for p in checkpoints.iterdir()) == sorted(  # each with its manifest
+        [f"best_mse_epoch_{best_epoch}.pth", f"best_mse_epoch_{best_epoch}.pth.sha256",
+         "epoch_4.pth", "epoch_4.pth.sha256", "last"])
     assert (checkpoints / "last").read_text().strip() == "epoch_4.pth"
 
 

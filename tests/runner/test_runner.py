@@ -62,7 +62,8 @@ def test_run_directory_and_metrics(run_on, tmp_path):
     assert (tmp_path / "train.log").read_text().count("validation at step") == 2
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "last").read_text().strip() == "epoch_2.pth"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_2.pth", "last"]  # max_keep 1
+    assert sorted(p.name for p in checkpoints.iterdir()) == [  # max_keep 1; its manifest
+        "epoch_2.pth", "epoch_2.pth.sha256", "last"]
 
 
 def _loss_mean_body(work_dir):

@@ -1,9 +1,10 @@
 """Naming, publishing and pruning checkpoints in ``work_dir/checkpoints``.
 
 A checkpoint is written by the strategy under a temporary name (one file, or a directory of
-shards), then renamed by rank 0; ``checkpoints/last`` is rewritten after that. A crash at any
-moment therefore leaves the previous checkpoint in charge, and a half-written one is never
-visible under a real name.
+shards), hashed by the ranks that wrote it, given its manifest (`trainrun.runner.manifest`),
+then renamed by rank 0; ``checkpoints/last`` is rewritten after that. A crash at any moment
+therefore leaves the previous checkpoint in charge, and a half-written one is never visible
+under a real name.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +22,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainrun.dist import all_reduce, barrier, broadcast_object_list, is_main_process
+from trainrun.dist import (
+    all_reduce,
+    barrier,
+    broadcast_object_list,
+    gather_object,
+    get_rank,
+    is_main_process,
+)
 from trainrun.runner.files import TMP_PREFIX, fsync_dir, write_atomically
+from trainrun.runner.manifest import (
+    DamagedCheckpoint,
+    hash_files,
+    is_sidecar,
+    sidecar,
+    verify_checkpoint,
+    write_manifest,
+)
 from trainrun.wrappers.base import (
     TRAIN_STATE,
     Optimizers,
@@ -45,6 +63,18 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """A checkpoint and its sidecar manifest (a one-file checkpoint's)."""
+    _remove(path)
+    _remove(sidecar(path))
+
+
+def _periodic_step(name: str) -> tuple[str, int] | None:
+    """('iter' or 'epoch', N) for a periodic checkpoint's name (``iter_N.pth``), else None."""
+    found = _STEP.match(name)
+    return (found.group(1), int(found.group(2))) if found and not is_sidecar(name) else None
 
 
 @dataclass
@@ -77,10 +107,13 @@ class CheckpointManager:
         self.last_saved: Path | None = None  # the newest save asked for (maybe still writing)
 
     def clean_partial(self) -> None:
-        """Remove what a crash during a save left behind (rank 0; call before saving)."""
+        """Remove what a crash during a save left behind (rank 0; call before saving): what
+        is under a temporary name, and a sidecar whose checkpoint was never renamed to its
+        name."""
         if is_main_process() and self.directory.is_dir():
             for entry in self.directory.iterdir():
-                if entry.name.startswith(TMP_PREFIX):
+                if entry.name.startswith(TMP_PREFIX) or (
+                        is_sidecar(entry.name) and not entry.with_suffix("").exists()):
                     _remove(entry)
 
     def save(self, name: str, model: nn.Module, optimizer: Optimizers | None,
@@ -101,12 +134,34 @@ class CheckpointManager:
         barrier()
         self.last_saved = final
         if background:
-            future = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
-            self._pending = _Pending(future, tmp, final, update_last)
+            written = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
+            self._pending = _Pending(self._hash_when_written(written, tmp, final), tmp, final,
+                                     update_last)
             return final
         self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
-        self._publish(tmp, final, update_last)
+        self._publish(tmp, final, update_last, self._own_hashes(tmp, final))
         return final
+
+    def _own_hashes(self, tmp: Path, final: Path) -> dict[str, str]:
+        """The sha256 of the files of checkpoint ``tmp`` this rank wrote (read back from its
+        page cache), by their names in the manifest."""
+        return hash_files(self.strategy.own_files(tmp, get_rank()), tmp, final)
+
+    def _hash_when_written(self, written: Future, tmp: Path, final: Path) -> Future:
+        """A future of this rank's hashes, computed by a thread of its own once ``written``
+        (this rank's part of a background save) is done: the save counts as done only then,
+        and training does not wait for the hashing."""
+        hashed: Future = Future()
+
+        def work() -> None:
+            try:
+                written.result()
+                hashed.set_result(self._own_hashes(tmp, final))
+            except BaseException as error:  # noqa: B036 - DCP's errors are BaseExceptions
+                hashed.set_exception(error)
+
+        threading.Thread(target=work, name="trainrun-hash", daemon=True).start()
+        return hashed
 
     def poll(self) -> None:
         """Publish a background save if every rank's part is written; otherwise return at
@@ -131,7 +186,7 @@ class CheckpointManager:
         if failed.item():
             raise RuntimeError(f"background save of {pending.final.name} failed"
                                + (f" here: {error!r}" if error else " on another rank")) from error
-        self._publish(pending.tmp, pending.final, pending.update_last)
+        self._publish(pending.tmp, pending.final, pending.update_last, pending.future.result())
 
     def abandon(self) -> None:
         """Let a background save that will not be published (training failed) end on this
@@ -140,12 +195,17 @@ class CheckpointManager:
         if pending is not None:
             pending.future.exception()  # waits; a write that failed is of no use now either
 
-    def _publish(self, tmp: Path, final: Path, update_last: bool) -> None:
-        """Rename a complete checkpoint to its name and point ``last`` at it (rank 0)."""
-        barrier()  # every rank's part is on disk
+    def _publish(self, tmp: Path, final: Path, update_last: bool,
+                 hashes: dict[str, str]) -> None:
+        """Write the manifest of a complete checkpoint with every rank's ``hashes``, rename the
+        checkpoint to its name and point ``last`` at it (rank 0)."""
+        every_rank = gather_object(hashes, dst=0)  # and every rank's part is on disk
         if is_main_process():
+            write_manifest(tmp, final, {k: v for part in every_rank for k, v in part.items()})
             if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
                 _remove(final)  # only a file is renamed over a file (atomically)
+            if tmp.is_dir():
+                _remove(sidecar(final))  # a one-file checkpoint's, of the same name
             os.replace(tmp, final)
             fsync_dir(self.directory)
             if update_last:
@@ -155,7 +215,7 @@ class CheckpointManager:
 
     def remove(self, path: Path) -> None:
         if is_main_process():
-            _remove(path)
+            _remove_checkpoint(path)
 
     def latest(self) -> Path | None:
         """The checkpoint ``last`` names, if it is there; the same answer on every rank."""
@@ -169,14 +229,31 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.max_keep < 0:
             return
-        periodic = sorted((int(m.group(2)), entry) for entry in self.directory.iterdir()
-                          if (m := _STEP.match(entry.name)))
+        periodic = sorted((step[1], entry) for entry in self.directory.iterdir()
+                          if (step := _periodic_step(entry.name)))
         keep = max(self.max_keep, 1)  # never the newest, which `last` names
         for _, entry in periodic[: max(len(periodic) - keep, 0)]:
-            _remove(entry)
+            _remove_checkpoint(entry)
 
 
-# ---------------------------------------------------------------- weights of any checkpoint
+# ---------------------------------------------------------------- choosing a checkpoint
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint itself (a file, or a strategy's directory), not a
+    directory holding checkpoints."""
+    path = Path(path)
+    return path.exists() and (not path.is_dir() or is_sharded_checkpoint(path)
+                              or is_deepspeed_checkpoint(path))
+
+
+def checkpoints_in(path: str | os.PathLike) -> Path | None:
+    """The directory whose ``last`` names the newest checkpoint: ``path`` itself, or
+    ``path/checkpoints`` for a work_dir; None where neither has ``last``."""
+    for directory in (Path(path), Path(path) / "checkpoints"):
+        if (directory / LAST).is_file():
+            return directory
+    return None
+
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` itself, or the checkpoint that ``last`` names when ``path`` is a work_dir or
@@ -184,29 +261,77 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if not path.is_dir() or is_sharded_checkpoint(path) or is_deepspeed_checkpoint(path):
+    if is_checkpoint(path):
         return path
-    for directory in (path, path / "checkpoints"):
-        named = named_by_last(directory)
-        if named is not None:
-            if not named.exists():
-                raise FileNotFoundError(f"{directory / LAST} names {named.name}, which is not "
-                                        "there")
-            return named
-    raise FileNotFoundError(f"{path}: a directory that is not a checkpoint, and has no "
-                            f"'{LAST}' or 'checkpoints/{LAST}' naming one")
+    directory = checkpoints_in(path)
+    if directory is None:
+        raise FileNotFoundError(f"{path}: a directory that is not a checkpoint, and has no "
+                                f"'{LAST}' or 'checkpoints/{LAST}' naming one")
+    named = named_by_last(directory)
+    if not named.exists():
+        raise FileNotFoundError(f"{directory / LAST} names {named.name}, which is not there")
+    return named
 
+
+def newest_first(directory: Path) -> list[Path]:
+    """The checkpoint ``directory/last`` names, then the older periodic ones of its kind
+    (``iter_N`` or ``epoch_N``), newest first; none if ``last`` names nothing that is there."""
+    newest = named_by_last(directory)
+    if newest is None or not newest.exists():
+        return []
+    kind, step = _periodic_step(newest.name) or ("", -1)
+    older = sorted((found[1], entry) for entry in directory.iterdir()
+                   if (found := _periodic_step(entry.name)) and found[0] == kind
+                   and found[1] < step)
+    return [newest, *(entry for _, entry in reversed(older))]
+
+
+def newest_intact(directory: Path, skipped: Callable[[DamagedCheckpoint], None]
+                  ) -> tuple[Path, bool] | None:
+    """The newest checkpoint in ``directory`` that is not damaged (see `newest_first`), and
+    whether it was verified (False: it has no manifest); ``skipped`` is told of each damaged
+    one passed over. None: ``directory`` has no checkpoint. Every rank must call this (the
+    verification is shared); all get the same answer. Raises ValueError if every checkpoint
+    is damaged."""
+    found = [None]
+    if is_main_process():
+        found[0] = [str(path) for path in newest_first(directory)]
+    broadcast_object_list(found)
+    damaged = []
+    for candidate in map(Path, found[0]):
+        try:
+            return candidate, verify_checkpoint(candidate)
+        except DamagedCheckpoint as error:
+            skipped(error)
+            damaged.append(str(error))
+    if damaged:
+        raise ValueError(f"no intact checkpoint in {directory}: {'; '.join(damaged)}")
+    return None
+
+
+# ---------------------------------------------------------------- weights of any checkpoint
 
 def check_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint ``path`` names (see `resolve_checkpoint`), after a cheap look that it
     is one and holds only tensors and plain containers: the file itself (memory-mapped, so
     its tensors are not read), a sharded checkpoint's metadata, or a DeepSpeed checkpoint's
-    train state and model files. What it does not read is read with weights_only on loading.
-    Raises FileNotFoundError, ValueError or pickle.UnpicklingError, each with one line."""
+    train state and model files. What it does not read is read with weights_only on loading,
+    and its hashes are verified by the runner. Raises FileNotFoundError, ValueError or
+    pickle.UnpicklingError, each with one line; DamagedCheckpoint (a ValueError) where the
+    look fails on a file that does not match the checkpoint's manifest."""
     path = resolve_checkpoint(path)
+    try:
+        _look_inside(path)
+    except Exception:
+        verify_checkpoint(path, alone=True)  # damage, where the manifest shows it, says more
+        raise
+    return path
+
+
+def _look_inside(path: Path) -> None:
     if is_sharded_checkpoint(path):
         check_metadata(path)
-        return path
+        return
     files, guard = [path], refusing_unsafe(path)
     if is_deepspeed_checkpoint(path):
         files = [path / TRAIN_STATE, *sorted((path / TAG).glob("*mp_rank_00_model_states.pt"))]
@@ -219,7 +344,6 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
                 if "mmap" not in str(error):  # else an older (non-zip) torch file: read it
                     raise
                 torch.load(file, map_location="cpu", weights_only=True)
-    return path
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -8,15 +8,17 @@ strategy is one new file with a subclass of `Strategy` and one line in `STRATEGI
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import re
 import struct
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 import torch
 from torch import nn
@@ -184,8 +186,63 @@ def save_state_file(path: str | os.PathLike, state: Any) -> None:
     """Write ``state`` to ``path`` with torch.save, on disk (fsynced) when this returns."""
     with open(path, "wb") as f:
         torch.save(state, f)
-        f.flush()
+        fsync_and_hash(f, path)
+
+
+# ---------------------------------------------------------------- content hashes
+
+_CHUNK = 1 << 20
+_KEPT = 1024  # hashes of written files kept at most (a checkpoint's manifest takes them)
+_hashed_when_written: dict[str, tuple[tuple[int, int, int], str]] = {}
+_hashed_lock = threading.Lock()
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    """The sha256 of the file at ``path``, read from it."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])  # hashlib lets other threads run meanwhile
+    return digest.hexdigest()
+
+
+def _identity(path: str | os.PathLike) -> tuple[int, int, int]:
+    found = os.stat(path)
+    return found.st_ino, found.st_size, found.st_mtime_ns
+
+
+def fsync_and_hash(f: IO[bytes], path: str | os.PathLike) -> None:
+    """Put the file ``f`` (open at ``path``, completely written) on disk, and hash it from the
+    page cache in another thread meanwhile: the hash costs no time of its own where the disk
+    is the slower of the two. `written_sha256` hands it to the checkpoint's manifest."""
+    f.flush()
+    identity = _identity(path)
+    hashed: list[str] = []
+    hashing = threading.Thread(target=lambda: hashed.append(sha256_of(path)),
+                               name="trainrun-hash")
+    hashing.start()
+    try:
         os.fsync(f.fileno())
+    finally:
+        hashing.join()
+    with _hashed_lock:
+        if len(_hashed_when_written) >= _KEPT:
+            _hashed_when_written.clear()
+        if hashed:
+            _hashed_when_written[os.path.abspath(path)] = (identity, hashed[0])
+
+
+def written_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of the file at ``path``: the one `fsync_and_hash` took when this process
+    wrote it, if the file has not changed since (same inode, size and modification time);
+    else read from the file."""
+    with _hashed_lock:
+        found = _hashed_when_written.pop(os.path.abspath(path), None)
+    if found is not None and found[0] == _identity(path):
+        return found[1]
+    return sha256_of(path)
 
 
 def load_state_file(path: str) -> dict[str, Any]:

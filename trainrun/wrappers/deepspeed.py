@@ -40,6 +40,7 @@ from trainrun.wrappers.base import (
     MakeOptimizer,
     Optimizers,
     Strategy,
+    fsync_and_hash,
     load_state_file,
     refusing_unsafe,
     save_state_file,
@@ -151,10 +152,10 @@ def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextMan
 
 def _fsync(files: list[Path]) -> None:
     """Put on disk what DeepSpeed wrote (it saves without fsync), so that a checkpoint is
-    never published before its bytes are durable."""
+    never published before its bytes are durable; hashing them meanwhile."""
     for file in files:
         with open(file, "rb") as f:
-            os.fsync(f.fileno())
+            fsync_and_hash(f, file)
 
 
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
