@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import trainrun.dist as dist
-from tests.runner.toy import CrashAfter, Killed, ToyModel, write_crafted_checkpoint
+from tests.runner.test_manifest import flip_byte
+from tests.runner.toy import CrashAfter, Killed, ToyModel, rehash, write_crafted_checkpoint
 from trainrun.runner import checkpoint as checkpoint_module
 from trainrun.runner import manifest
 from trainrun.runner.checkpoint import CheckpointManager
+from trainrun.runner.config import ConfigError
 from trainrun.runner.manifest import verify_checkpoint
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
@@ -430,6 +432,48 @@ def test_a_background_save_is_hashed_while_training_goes_on(tmp_path, monkeypatc
     manager.finish()
     assert hashed == [".tmp-iter_1.pth"] and last_names(manager.directory) == "iter_1.pth"
     assert verify_checkpoint(manager.directory / "iter_1.pth", alone=True) is True
+
+
+def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path, capfd):
+    """The newest checkpoint damaged, the one before it written without a manifest: resume
+    says which it skipped and why, takes the older one unverified and logs the losses of an
+    unbroken run. A damaged checkpoint named by path, or every one damaged, is refused before
+    the run directory is touched."""
+    work_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    runner = _runner(work_dir)
+    runner.train()
+    runner.close()
+    straight = _train_losses(work_dir)
+    flip_byte(checkpoints / "iter_6.pth")
+    (checkpoints / "iter_4.pth.sha256").unlink()  # as written before checkpoints were hashed
+    capfd.readouterr()
+    runner = _runner(work_dir, resume=True)
+    assert runner.start_from == ("resume", checkpoints / "iter_4.pth")
+    runner.train()
+    runner.close()
+    err = capfd.readouterr().err
+    assert f"resume: skipped: {checkpoints / 'iter_6.pth'} is damaged: iter_6.pth: sha256 " \
+           "mismatch (against iter_6.pth.sha256)" in err
+    assert f"{checkpoints / 'iter_4.pth'} has no manifest of hashes" in err
+    assert _train_losses(work_dir)[6:] == straight[4:]  # steps 5 and 6, bit for bit
+
+    rehash(checkpoints / "iter_4.pth")
+    for name in ("iter_6.pth", "iter_4.pth", "iter_2.pth"):  # iter_6 saved again since
+        flip_byte(checkpoints / name)
+    with pytest.raises(ConfigError) as refused:
+        _runner(work_dir, resume=True)
+    assert str(refused.value) == f"resume: no intact checkpoint in {checkpoints}: " + "; ".join(
+        f"{checkpoints / name} is damaged: {name}: sha256 mismatch (against {name}.sha256)"
+        for name in ("iter_6.pth", "iter_4.pth", "iter_2.pth"))
+    elsewhere = tmp_path / "elsewhere"
+    for key, value in (("resume", str(checkpoints / "iter_6.pth")),
+                       ("load_from", str(checkpoints / "iter_2.pth"))):
+        with pytest.raises(ConfigError) as refused:
+            _runner(elsewhere, **{key: value})
+        name = Path(value).name
+        assert str(refused.value) == f"{key}: {value} is damaged: {name}: sha256 mismatch " \
+                                     f"(against {name}.sha256)"
+    assert not elsewhere.exists()
 
 
 # ---------------------------------------------------------------- crafted pickles

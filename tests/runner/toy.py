@@ -3,6 +3,8 @@ that a resume restoring the wrong RNG state or data position shows in the losses
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -140,6 +142,16 @@ class Payload:
         import os
 
         return (os.system, (f"touch {self.marker}",))
+
+
+def rehash(checkpoint: Path) -> None:
+    """Rewrite the manifest of a checkpoint (a file or a directory) to match its files as they
+    are now: what someone who crafts a checkpoint can do too."""
+    from trainrun.runner.manifest import MANIFEST, hash_files, write_manifest
+
+    files = [checkpoint] if checkpoint.is_file() else [
+        p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST]
+    write_manifest(checkpoint, checkpoint, hash_files(files, checkpoint, checkpoint))
 
 
 def write_crafted_checkpoint(path, marker, raw_pickle: bool = False) -> None:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import random
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.runner.toy import Payload
+from tests.runner.toy import Payload, rehash
 from trainrun.runner import cli
 from trainrun.runner.cli import train_main
 from trainrun.runner.config import load_config
@@ -47,6 +48,12 @@ def _make_inputs(root: Path) -> dict[str, Path]:
     files["garbage"].write_bytes(random.Random(0).randbytes(4096))
     files["crafted"] = root / "crafted.pth"
     torch.save({"model": {}, "meta": Payload(str(marker))}, files["crafted"])
+    files["damaged"] = root / "damaged.pth"  # hashed, then one byte of its tensor flipped,
+    torch.save({"model": {"w": torch.full((4096,), 0.5)}}, files["damaged"])  # which
+    rehash(files["damaged"])  # torch.load itself does not notice
+    data = bytearray(files["damaged"].read_bytes())
+    data[data.find(struct.pack("<f", 0.5) * 64) + 100] ^= 0xFF
+    files["damaged"].write_bytes(bytes(data))
     files["plain_dir"] = root / "not_a_checkpoint"
     files["plain_dir"].mkdir()
     (files["plain_dir"] / "notes.txt").write_text("hello")
@@ -104,6 +111,10 @@ CASES = [
     (["--resume", "{plain_dir}"], ["resume", "not_a_checkpoint", "last"]),
     (["--resume", "{dangling}"], ["resume", "iter_9.pth"]),
     (["--cfg-options", "load_from={garbage}"], ["load_from", "garbage.pth"]),
+    (["--resume", "{damaged}", "--cfg-options", "model.hidden=64"],  # the run's own config
+     ["resume: ", "damaged.pth is damaged: damaged.pth: sha256 mismatch (against "
+      "damaged.pth.sha256)"]),
+    (["--cfg-options", "load_from={damaged}"], ["load_from: ", "damaged.pth is damaged"]),
     (["--cfg-options", "load_from={crafted}"], ["load_from", "refused", "system"]),
     (["--work-dir", "{a_file}"], ["work_dir", "a_file", "file"]),
     # config files

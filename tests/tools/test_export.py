@@ -3,6 +3,7 @@ becomes one plain state-dict file that a bare model loads; bad input is exit 2."
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import ToyModel
 from trainrun.runner.export import main, plain_tensors
 from trainrun.runner.runner import Runner
@@ -112,6 +114,8 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
     crafted = tmp_path / "crafted.pth"
     torch.save({"model": {"w": torch.zeros(1)}, "payload": Exception("boom")}, crafted)
     (tmp_path / "plain_dir").mkdir()
+    damaged = shutil.copytree(work_dir, tmp_path / "damaged")
+    flip_byte(damaged / "checkpoints" / "iter_4.pth")
     cases = [
         ([str(tmp_path / "missing.pth"), str(tmp_path / "a.safetensors")], "missing.pth"),
         ([str(checkpoint), str(existing)], "--force"),
@@ -119,6 +123,8 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
         ([str(crafted), str(tmp_path / "b.safetensors")], "Exception"),
         ([str(tmp_path / "plain_dir"), str(tmp_path / "c.safetensors")], "checkpoints/last"),
         ([str(checkpoint), str(tmp_path / "d.pt"), "--dtype", "fp8"], "--dtype"),
+        ([str(damaged), str(tmp_path / "e.pt")], f"{damaged}/checkpoints/iter_4.pth is "
+         "damaged: iter_4.pth: sha256 mismatch (against iter_4.pth.sha256)"),
     ]
     for argv, needle in cases:
         assert main(argv) == 2, argv
@@ -126,6 +132,6 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
         assert needle in err, (argv, err)
         assert "Traceback" not in err
     assert existing.read_bytes() == b"keep me"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["crafted.pth", "exists.safetensors",
-                                                          "plain_dir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["crafted.pth", "damaged",
+                                                          "exists.safetensors", "plain_dir"]
     assert main([str(checkpoint), str(existing), "--force"]) == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import free_port
+from tests.runner.test_manifest import flip_byte
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tools" / "train.py"
@@ -106,6 +107,69 @@ def test_plot_metrics_draws_a_png(trained, tmp_path):
     missing = run([sys.executable, str(REPO / "tools" / "plot_metrics.py"),
                    str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.png")])
     assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_refused_by_test_and_passed_over_by_resume(trained, tmp_path):
+    """One byte flipped in the newest checkpoint of a copy of the trained run: tools/test.py
+    refuses it with one line naming it and the file; --resume says it skipped it and why,
+    goes on from the one before, and logs the very losses of the run that was not damaged."""
+    work_dir, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(work_dir, copy)
+    damaged = copy / "checkpoints" / "epoch_2.pth"
+    flip_byte(damaged)
+    done = run([sys.executable, str(REPO / "tools" / "test.py"), str(CONFIG), str(damaged),
+                "--launcher", "none", "--work-dir", str(tmp_path / "test")], timeout=60)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: load_from: {damaged} is damaged: epoch_2.pth: sha256 mismatch (against "
+        "epoch_2.pth.sha256)"]
+    assert "Traceback" not in done.stderr and not (tmp_path / "test").exists()
+
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(copy),
+                        "--resume", "--cfg-options", *SHORT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count(f"resume: skipped: {damaged} is damaged: epoch_2.pth: sha256 "
+                             "mismatch (against epoch_2.pth.sha256)") == 1, done.stderr
+    assert f"resumed from {copy / 'checkpoints' / 'epoch_1.pth'} at epoch 2" in done.stderr
+    unbroken = train_records(work_dir)
+    again = train_records(copy)[len(unbroken):]
+    assert [r["step"] for r in again] == [25, 30, 35, 40]
+    assert [r["loss"] for r in again] == [r["loss"] for r in unbroken[4:]]  # bit for bit
+
+
+FEW = ["schedule.max_epochs=null", "schedule.max_iters=6", "schedule.val_interval=6",
+       "checkpoint.interval=2", "logging.interval=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("options", "file"), [
+    (["strategy.type=fsdp"], "__1_0.distcp"),
+    (["strategy.type=deepspeed", "strategy.zero_stage=3"],
+     "state/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+], ids=["fsdp", "zero3"])
+def test_resume_passes_over_a_damaged_sharded_checkpoint(tmp_path, options, file):
+    """A byte flipped in rank 1's shard (fsdp) or partition file (ZeRO-3) of the newest
+    checkpoint: --resume skips it, naming the file, and goes on exactly from the one before."""
+    work_dir = tmp_path / "run"
+    start = [str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir)]
+    done = run(torchrun(*start, "--cfg-options", *FEW, *options))
+    assert done.returncode == 0, done.stderr[-3000:]
+    unbroken = train_records(work_dir)
+    assert [r["step"] for r in unbroken] == [1, 2, 3, 4, 5, 6]
+    flip_byte(work_dir / "checkpoints" / "iter_6.pth" / file)
+    done = run(torchrun(*start, "--resume", "--cfg-options", *FEW, *options))
+    assert done.returncode == 0, done.stderr[-3000:]
+    damaged = work_dir / "checkpoints" / "iter_6.pth"
+    assert done.stderr.count(f"resume: skipped: {damaged} is damaged: {file}: sha256 mismatch "
+                             "(against SHA256SUMS)") == 1, done.stderr[-3000:]
+    assert f"resumed from {work_dir / 'checkpoints' / 'iter_4.pth'} at epoch" in done.stderr
+    again = train_records(work_dir)[6:]
+    assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"])
+                                                       for r in unbroken[4:]]  # bit for bit
 
 
 # ---------------------------------------------------------------- exact resume after SIGKILL

@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.runner.test_manifest import flip_byte
+from tests.runner.toy import rehash
 from tests.tools.test_train_cli import CONFIG, REPO, env, run
 from trainrun.runner import verify_resume as vr
 
@@ -75,6 +78,28 @@ def test_a_generator_the_checkpoint_misses_is_reported_at_its_first_step(child_e
     assert (tmp_path / "resumed" / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
+def test_a_resumed_run_refusing_a_damaged_checkpoint_is_reported_with_its_line(
+        child_env, capsys, tmp_path):
+    """The resumed run's one-line error comes first in the report (under torchrun the tail
+    of its output is torchrun's own report): here, the damage of the only checkpoint."""
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    damaged = checkpoints / "iter_2.pth"
+    torch.save({"meta": {"iter": 2}}, damaged)
+    rehash(damaged)
+    flip_byte(damaged)
+    (checkpoints / "last").write_text("iter_2.pth\n")
+    with pytest.raises(vr.RunFailed) as failed:
+        vr.run_resumed(vr.make_plan([str(CONFIG), "--steps", "4"]), tmp_path, 0)
+    assert vr._report_failure(failed.value, keep=True) == 1
+    report = capsys.readouterr().err.splitlines()
+    assert report[0] == (f"error: the resumed run failed (exit 2): resume: no intact checkpoint "
+                         f"in {checkpoints}: {damaged} is damaged: iter_2.pth: sha256 mismatch "
+                         "(against iter_2.pth.sha256)")
+    assert report[1] == "its last lines:"
+
+
 def test_a_bad_option_exits_2_with_one_line_before_any_run(tmp_path):
     done = run([sys.executable, str(REPO / "tools" / "verify_resume.py"), str(CONFIG),
                 "--work-dir", str(tmp_path / "runs"), "--cfg-options", "optim.lrr=0.1"])
@@ -123,14 +148,15 @@ def test_every_run_gets_the_users_options_between_the_tools(capsys):
 
 
 def test_rewind_removes_the_later_checkpoints_files_and_directories(tmp_path):
-    for name in ("iter_5.pth", "iter_10.pth", "best_accuracy_iter_10.pth"):
+    for name in ("iter_5.pth", "iter_10.pth.sha256", "iter_10.pth", "best_accuracy_iter_10.pth",
+                 "iter_12.pth", "iter_12.pth.sha256"):  # one-file checkpoints, their manifests
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "iter_15.pth").mkdir()  # a sharded checkpoint
     (tmp_path / "iter_15.pth" / "shard").write_bytes(b"x")
     (tmp_path / "last").write_text("iter_15.pth\n")
-    assert vr.rewind(tmp_path, 10) == ["iter_15.pth"]
+    assert vr.rewind(tmp_path, 10) == ["iter_12.pth", "iter_12.pth.sha256", "iter_15.pth"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "best_accuracy_iter_10.pth", "iter_10.pth", "iter_5.pth", "last"]
+        "best_accuracy_iter_10.pth", "iter_10.pth", "iter_10.pth.sha256", "iter_5.pth", "last"]
     assert (tmp_path / "last").read_text() == "iter_10.pth\n"
     with pytest.raises(RuntimeError, match="no iter_20 checkpoint"):
         vr.rewind(tmp_path, 20)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.toy import CrashAfter, Killed, Payload
+from tests.runner.toy import CrashAfter, Killed, Payload, rehash
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import build_strategy, is_model_wrapper
@@ -299,6 +299,7 @@ def _crafted_body(base):
             state = torch.load(part, weights_only=False)
             state["payload"] = Payload(str(marker))
             torch.save(state, part)
+        rehash(Path(base) / "checkpoints" / "iter_4.pth")
     torch.distributed.barrier()
     refused = []
     runner = _runner(base, strategy, max_iters=8, checkpoint={"interval": 4}, resume=True)

@@ -150,12 +150,17 @@ def _check_work_dir(cfg: DictConfig) -> None:
                           f"create one at), and it is a file")
 
 
-def _checked_checkpoint(key: str, path: str) -> str:
+def _checked_checkpoint(key: str, path: str, run_directory: bool = False) -> str:
     """The checkpoint ``path`` names (a run directory names its newest), once it looks like
-    one and holds nothing that would run code; else a ConfigError naming ``key``."""
-    from trainrun.runner.checkpoint import check_checkpoint
+    one and holds nothing that would run code; else a ConfigError naming ``key``. With
+    ``run_directory`` a run directory stays one, once its ``last`` names a checkpoint: the
+    runner resumes from its newest intact checkpoint (and verifies every checkpoint)."""
+    from trainrun.runner.checkpoint import check_checkpoint, is_checkpoint, resolve_checkpoint
 
     try:
+        if run_directory and not is_checkpoint(path):
+            resolve_checkpoint(path)
+            return path
         return str(check_checkpoint(path))
     except (OSError, ValueError, pickle.UnpicklingError) as error:
         raise ConfigError(f"{key}: {error}") from None
@@ -196,7 +201,7 @@ def prepare_train(argv: Sequence[str] | None = None) -> Job:
     _check_work_dir(cfg)
     for key in ("resume", "load_from"):
         if isinstance(cfg[key], str):
-            cfg[key] = _checked_checkpoint(key, cfg[key])
+            cfg[key] = _checked_checkpoint(key, cfg[key], run_directory=key == "resume")
     if cfg.resume:
         warnings += _check_resumed_config(cfg, args.force)
     if not args.dry_run:

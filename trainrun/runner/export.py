@@ -4,8 +4,9 @@
 
 CHECKPOINT is a checkpoint file, a sharded (fsdp) or DeepSpeed directory, or a work_dir (its
 newest checkpoint). The output holds the model's tensors only, under the plain model's names,
-so ``model.load_state_dict(...)`` takes it with no trainrun installed. It is written under a
-temporary name and renamed, so a failed export never leaves a half-written OUT.
+so ``model.load_state_dict(...)`` takes it with no trainrun installed. The checkpoint is
+verified against its manifest of hashes first. OUT is written under a temporary name and
+renamed, so a failed export never leaves a half-written OUT.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
+from trainrun.runner.manifest import verify_checkpoint
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 FORMATS = ("safetensors", "torch")
@@ -98,6 +100,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | Non
         raise ExportError(f"OUT {out}: directory {out.parent} does not exist")
     source = resolve_checkpoint(checkpoint)
     fmt = output_format(out, fmt)
+    verify_checkpoint(source, alone=True)  # a damaged one: DamagedCheckpoint, a ValueError
     tensors = plain_tensors(read_weights(source), DTYPES[dtype] if dtype else None)
     if not tensors:
         raise ExportError(f"{source} holds no model tensors")

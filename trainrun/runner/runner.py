@@ -1,8 +1,9 @@
 """The runner: builds a run from one config (or from objects) and trains, validates, tests.
 
-Order of work in ``__init__``: join the job, seed every rank, prepare the run directory and
-the log, build model and data, let the strategy wrap the model and build the optimiser,
-then schedule, metrics and hooks. ``train()`` resumes or loads weights first, then loops.
+Order of work in ``__init__``: join the job, seed every rank, build model and data, let the
+strategy wrap the model and build the optimiser, schedule the run, choose (and verify) the
+checkpoint to resume or load from, and only then prepare the run directory and the log;
+metrics and hooks last. ``train()`` resumes or loads weights first, then loops.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from trainrun.runner.builder import (
     optimizer_factory,
     wrap_optimizers,
 )
-from trainrun.runner.checkpoint import CheckpointManager, read_weights
+from trainrun.runner.checkpoint import (
+    CheckpointManager,
+    checkpoints_in,
+    is_checkpoint,
+    newest_intact,
+    read_weights,
+    resolve_checkpoint,
+)
 from trainrun.runner.checks import first_line
 from trainrun.runner.config import LAUNCH_KEYS, ConfigError, saved_config_changes
 from trainrun.runner.evaluation import BaseMetric
@@ -56,6 +64,7 @@ from trainrun.runner.hooks import (
 )
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop
+from trainrun.runner.manifest import DamagedCheckpoint, verify_checkpoint
 from trainrun.runner.preemption import Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
@@ -137,11 +146,13 @@ class Runner:
         self._set_schedule(schedule or {"max_epochs": 10})
         self.schedulers = self._schedulers(scheduler)
 
-        self._prepare_work_dir()
-        self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
         checkpoint = dict(checkpoint or {})
         self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
                                              max_keep=checkpoint.get("max_keep", 3))
+        self._intact: set[Path] = set()  # checkpoints verified against their manifests
+        self.start_from = self._start_point()  # damaged: refused before anything is written
+        self._prepare_work_dir()
+        self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
         self.timer = IterTimerHook()
         self.hooks = self._hooks(hooks, dict(logging or {}), checkpoint,
                                  (schedule or {}).get("val_interval", 1))
@@ -378,22 +389,68 @@ class Runner:
                                          self.optimizer, self._train_state(), update_last,
                                          background)
 
+    def _start_point(self) -> tuple[str, Path] | None:
+        """What `train` starts from, verified against its manifest: ('resume', checkpoint),
+        ('load', checkpoint) for weights only, or None. A damaged checkpoint named by path is
+        a ConfigError; resuming from a run directory (``resume: true``, or its path) goes back
+        from its newest checkpoint to the newest intact one, saying what it skipped."""
+        if self.resume_from:
+            given = None if self.resume_from is True else Path(self.resume_from)
+            if given is not None and is_checkpoint(given):
+                return "resume", self._verified("resume", given)
+            try:
+                if given is not None:
+                    resolve_checkpoint(given)  # a directory whose `last` names a checkpoint
+                directory = checkpoints_in(given) if given else self.checkpoints.directory
+                found = newest_intact(directory, self._skipped)
+            except (FileNotFoundError, ValueError) as error:
+                raise ConfigError(f"resume: {error}") from None
+            if found is not None:
+                self._say_unverified(*found)
+                self._intact.add(found[0])
+                return "resume", found[0]
+            self.logger.info("resume: no checkpoint in %s yet; starting from the beginning",
+                             self.checkpoints.directory)
+        if self.load_from:
+            try:
+                path = resolve_checkpoint(self.load_from)
+            except FileNotFoundError as error:
+                raise ConfigError(f"load_from: {error}") from None
+            return "load", self._verified("load_from", path)
+        return None
+
+    def _verified(self, key: str, path: Path) -> Path:
+        """``path``, once verified against its manifest (once per runner); a damaged one is a
+        ConfigError naming ``key``, the checkpoint and the file that failed."""
+        if path not in self._intact:
+            try:
+                self._say_unverified(path, verify_checkpoint(path))
+            except DamagedCheckpoint as error:
+                raise ConfigError(f"{key}: {error}") from None
+            self._intact.add(path)
+        return path
+
+    def _skipped(self, error: DamagedCheckpoint) -> None:
+        if self.rank == 0:
+            self.logger.warning("resume: skipped: %s", error)
+
+    def _say_unverified(self, path: Path, verified: bool) -> None:
+        if not verified:
+            self.logger.info("%s has no manifest of hashes (written before checkpoints were "
+                             "hashed): loading it unverified", path)
+
     def _resume_or_load(self) -> None:
-        path = None
-        if self.resume_from is True:
-            path = self.checkpoints.latest()
-            if path is None:
-                self.logger.info("resume: no checkpoint in %s yet; starting from the beginning",
-                                 self.checkpoints.directory)
-        elif self.resume_from:
-            path = Path(self.resume_from)
-        if path is not None:
+        if self.start_from is None:
+            return
+        how, path = self.start_from
+        if how == "resume":
             self.resume(path)
-        elif self.load_from:
-            self.load_weights(self.load_from)
+        else:
+            self.load_weights(path)
 
     def resume(self, path: str | os.PathLike) -> None:
-        """Continue exactly where the checkpoint at ``path`` stopped."""
+        """Continue exactly where the checkpoint at ``path`` stopped (verified first)."""
+        path = self._verified("resume", Path(path))
         state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
         meta = state["meta"]
         self.epoch, self.iter, self.seed = meta["epoch"], meta["iter"], meta["seed"]
@@ -423,7 +480,9 @@ class Runner:
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
 
     def load_weights(self, path: str | os.PathLike) -> None:
-        """Load only the model's weights (no optimiser, no position) from ``path``."""
+        """Load only the model's weights (no optimiser, no position) from ``path`` (a
+        checkpoint, or a work_dir for its newest; verified first)."""
+        path = self._verified("load_from", resolve_checkpoint(path))
         self.strategy.load_model_state_dict(self.model, read_weights(path))
         self.logger.info("loaded weights from %s", path)
 

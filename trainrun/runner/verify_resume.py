@@ -34,6 +34,7 @@ from typing import Any
 
 from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
+from trainrun.runner.manifest import is_sidecar
 
 EXIT_EXACT, EXIT_DIFFERENT, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 1, 2, 130
 TRAIN = Path(__file__).resolve().parents[2] / "tools" / "train.py"
@@ -267,7 +268,7 @@ def checkpoint_step(name: str) -> int | None:
 def rewind(checkpoints: Path, step: int) -> list[str]:
     """Make the step-``step`` checkpoint the newest again, as if the kill had come before any
     later one was saved; returns the names removed. Raises RuntimeError if it is missing."""
-    kept = [p.name for p in checkpoints.glob(f"iter_{step}.*")]
+    kept = [p.name for p in checkpoints.glob(f"iter_{step}.*") if not is_sidecar(p.name)]
     if not kept:
         raise RuntimeError(f"no iter_{step} checkpoint in {checkpoints}")
     removed = []
@@ -544,9 +545,15 @@ def run_root(plan: Plan) -> tuple[Path, bool]:
 
 
 def _report_failure(error: RunFailed, keep: bool) -> int:
-    _say(f"error: {error}; its last lines:", err=True)
-    lines = error.log.read_text(encoding="utf-8", errors="replace").splitlines()
-    for line in lines[1:][-20:]:  # the first line is the command
+    """The failed run's own one-line error first (tools/train.py's ``error:`` line: a damaged
+    checkpoint, a bad option), which torchrun's report at the end may push out of the tail;
+    then the last lines of its output."""
+    # the log's first line is the command
+    lines = error.log.read_text(encoding="utf-8", errors="replace").splitlines()[1:]
+    said = next((line for line in lines if line.startswith("error: ")), None)
+    _say(f"error: {error}" + (f": {said.removeprefix('error: ')}" if said else ""), err=True)
+    _say("its last lines:", err=True)
+    for line in lines[-20:]:
         _say(f"  {line}", err=True)
     if not keep:
         _say("(run again with --keep to look at the run directories)", err=True)
