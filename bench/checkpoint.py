@@ -19,6 +19,12 @@ A time is the slowest rank's, from a barrier before to a barrier after; the medi
 the checkpoint's pages are dropped from the page cache (``posix_fadvise(DONTNEED)``), so
 loads read the disk (or whatever caches the disk below this machine).
 
+Content hashes: every save hashes what each rank wrote (SHA-256, from the page cache, while
+the file is fsynced where trainrun does the fsync) for the checkpoint's manifest. Each round
+also saves the same state as saves were before checkpoints were hashed (plain fsyncs, no
+manifest entries), alternating which goes first; ``verify`` is the check against the
+manifest, shared by the ranks, from a cold page cache, that resuming does before loading.
+
 ``checkpoint.async``: how long training is stalled by a periodic save, the time from the call
 to its return, synchronously and with ``background=True`` (what ``checkpoint.async: true``
 does: ddp copies the state in memory and writes it from a thread; fsdp uses DCP's
@@ -28,6 +34,7 @@ does: ddp copies the state in memory and writes it from a thread; fsdp uses DCP'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -41,8 +48,8 @@ from gloo_ranks import Layers, run_on_ranks
 
 from trainrun.dist import barrier, get_rank, is_main_process
 from trainrun.runner.checkpoint import CheckpointManager
-from trainrun.wrappers import STRATEGIES
-from trainrun.wrappers.base import save_state_file
+from trainrun.runner.manifest import verify_checkpoint
+from trainrun.wrappers import STRATEGIES, base, deepspeed
 
 WIDTH = 2048
 STRATEGY_OPTIONS = {
@@ -50,6 +57,30 @@ STRATEGY_OPTIONS = {
     "fsdp": ("fsdp", {"sharding": "full", "wrap": {"classes": ["Linear"]}}),
     "zero3": ("deepspeed", {"zero_stage": 3}),
 }
+
+
+class Unhashed(CheckpointManager):
+    """The same saves with the hashing left out: the manifest lists no file (use it inside
+    `plain_fsyncs`)."""
+
+    def _own_hashes(self, tmp: Path, final: Path) -> dict[str, str]:
+        return {}
+
+
+def _fsync(f: Any, path: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def plain_fsyncs() -> Any:
+    """Files made durable as before checkpoints were hashed: fsync without hashing."""
+    hashing = base.fsync_and_hash
+    base.fsync_and_hash = deepspeed.fsync_and_hash = _fsync
+    try:
+        yield
+    finally:
+        base.fsync_and_hash = deepspeed.fsync_and_hash = hashing
 
 
 def _layers(gb: float) -> int:
@@ -92,7 +123,9 @@ def _floor(directory: Path, model: Any, optimizer: Any, repeats: int) -> dict[st
     out: dict[str, list[float]] = {"save": [], "load": []}
     for i in range(repeats + 1):  # the first round warms the allocator up and is not kept
         start = time.perf_counter()
-        save_state_file(path, state)
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            _fsync(f, path)
         saved = time.perf_counter() - start
         _evict(path)
         start = time.perf_counter()
@@ -122,30 +155,54 @@ def _bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _async_times(manager: CheckpointManager, model: Any, optimizer: Any, repeats: int,
+                 out: dict[str, list[float]], suffix: str = "") -> None:
+    """Training's stall by a background save and by a synchronous one, and when the
+    background one is published."""
+    for i in range(repeats):
+        start = time.perf_counter()  # a stall is this rank's own wait, no barrier
+        manager.save(f"iter_{100 + i}", model, optimizer, {"meta": {"iter": i}}, background=True)
+        out["stall_async" + suffix].append(time.perf_counter() - start)
+        out["publish_async" + suffix].append(_timed(manager.finish)[0]
+                                             + out["stall_async" + suffix][-1])
+        start = time.perf_counter()
+        manager.save(f"iter_{200 + i}", model, optimizer, {"meta": {"iter": i}})
+        out["stall_sync" + suffix].append(time.perf_counter() - start)
+
+
 def _strategy_times(kind: str, layers: int, directory: Path, repeats: int) -> dict[str, Any]:
     strategy, model, optimizer = _built(kind, layers)
     manager = CheckpointManager(directory / kind, strategy, max_keep=1)
-    out: dict[str, list[float]] = {"save": [], "load": [], "stall_sync": [],
-                                   "stall_async": [], "publish_async": []}
+    unhashed = Unhashed(directory / f"{kind}-unhashed", strategy, max_keep=1)
+    out: dict[str, list[float]] = {key: [] for key in (
+        "save", "save_unhashed", "verify", "load", "stall_sync", "stall_async",
+        "publish_async", "stall_sync_unhashed", "stall_async_unhashed",
+        "publish_async_unhashed")}
     for i in range(repeats + 1):  # the first round warms up and is not kept
-        saved, path = _timed(manager.save, f"iter_{i}", model, optimizer, {"meta": {"iter": i}})
+        state = (model, optimizer, {"meta": {"iter": i}})
+        if i % 2:  # which of the two goes first alternates
+            with plain_fsyncs():
+                plain = _timed(unhashed.save, f"iter_{i}", *state)[0]
+        saved, path = _timed(manager.save, f"iter_{i}", *state)
+        if not i % 2:
+            with plain_fsyncs():
+                plain = _timed(unhashed.save, f"iter_{i}", *state)[0]
+        if is_main_process():
+            _evict(path)
+        verified = _timed(verify_checkpoint, path)[0]
         if is_main_process():
             _evict(path)
         loaded = _timed(strategy.load_checkpoint, str(path), model, optimizer)[0]
         if i:
             out["save"].append(saved)
+            out["save_unhashed"].append(plain)
+            out["verify"].append(verified)
             out["load"].append(loaded)
     out["bytes"] = [_bytes(path)] if is_main_process() else [0]
     if kind != "zero3":
-        for i in range(repeats):
-            start = time.perf_counter()  # a stall is this rank's own wait, no barrier
-            manager.save(f"iter_{100 + i}", model, optimizer, {"meta": {"iter": i}},
-                         background=True)
-            out["stall_async"].append(time.perf_counter() - start)
-            out["publish_async"].append(_timed(manager.finish)[0] + out["stall_async"][-1])
-            start = time.perf_counter()
-            manager.save(f"iter_{200 + i}", model, optimizer, {"meta": {"iter": i}})
-            out["stall_sync"].append(time.perf_counter() - start)
+        _async_times(manager, model, optimizer, repeats, out)
+        with plain_fsyncs():
+            _async_times(unhashed, model, optimizer, repeats, out, "_unhashed")
     strategy.teardown()
     return out
 
@@ -167,6 +224,7 @@ def _rank_body(layers: int, directory: str, repeats: int) -> dict[str, Any]:
         results[kind] = _strategy_times(kind, layers, directory_path, repeats)
         if is_main_process():
             shutil.rmtree(directory_path / kind, ignore_errors=True)
+            shutil.rmtree(directory_path / f"{kind}-unhashed", ignore_errors=True)
         barrier()
     return results
 
@@ -194,13 +252,25 @@ def report(per_rank: list[dict[str, Any]], layers: int, ranks: int) -> str:
         on_disk = per_rank[0][kind]["bytes"][0] / 1e9
         lines.append(f"| {kind} | {on_disk:.2f} | {save:.2f} | {save / floor_save:.2f} | "
                      f"{load:.2f} | {load / floor_load:.2f} |")
+    lines += ["", "| strategy | save s, hashed | save s, not hashed | GB/s hashed | GB/s not "
+              "hashed | throughput hashed / not | hashing's share of a save | verify s |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for kind in STRATEGY_OPTIONS:
+        save = _median_of_slowest(per_rank, kind, "save")
+        plain = _median_of_slowest(per_rank, kind, "save_unhashed")
+        verify = _median_of_slowest(per_rank, kind, "verify")
+        on_disk = per_rank[0][kind]["bytes"][0] / 1e9
+        lines.append(f"| {kind} | {save:.2f} | {plain:.2f} | {on_disk / save:.2f} | "
+                     f"{on_disk / plain:.2f} | {plain / save:.2f} | "
+                     f"{max(save - plain, 0) / save:.0%} | {verify:.2f} |")
     lines += ["", "| strategy | stall, synchronous save s | stall, checkpoint.async s | "
-              "async: published after s |", "|---|---:|---:|---:|"]
+              "async: published after s | the same three, not hashed |",
+              "|---|---:|---:|---:|---|"]
     for kind in ("ddp", "fsdp"):
-        sync = _median_of_slowest(per_rank, kind, "stall_sync")
-        stall = _median_of_slowest(per_rank, kind, "stall_async")
-        publish = _median_of_slowest(per_rank, kind, "publish_async")
-        lines.append(f"| {kind} | {sync:.2f} | {stall:.2f} | {publish:.2f} |")
+        times = [_median_of_slowest(per_rank, kind, key + suffix) for suffix in ("", "_unhashed")
+                 for key in ("stall_sync", "stall_async", "publish_async")]
+        lines.append(f"| {kind} | {times[0]:.2f} | {times[1]:.2f} | {times[2]:.2f} | "
+                     f"{times[3]:.2f}, {times[4]:.2f}, {times[5]:.2f} |")
     return "\n".join(lines)
 
 
