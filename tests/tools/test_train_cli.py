@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import free_port
+from tests.slurm_cluster import client_env
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tools" / "train.py"
@@ -339,11 +340,12 @@ def _worker_pid(launcher_pid: int, rank: int) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie that nobody reaped yet does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return True
+    return state not in ("Z", "X")
 
 
 @pytest.mark.slow
@@ -382,6 +384,55 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
                      r"rank 0 waiting at step 1[01] in [a-z_ ]+$", lines[0]), lines[0]
 
 
+@pytest.mark.slow
+def test_workers_of_a_killed_torchrun_stop_and_resume_exactly(tmp_path, straight_run):
+    """torchrun SIGKILLed alone (an OOM killer, a container runtime): its workers, each in a
+    session of its own, stop within seconds instead of training on, each saying in one line
+    what is lost; they write nothing more, and --resume then continues exactly."""
+    straight = straight_run()
+    last = tmp_path / "checkpoints" / "last"
+    options = [*SLOW, "model.step_seconds=0.1"]
+    proc = subprocess.Popen(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir",
+                                     str(tmp_path), "--cfg-options", *options), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[int | None] = []
+    try:
+        while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
+            assert proc.poll() is None, "the job ended before iter_10.pth"
+            time.sleep(0.01)
+        workers = [_worker_pid(proc.pid, rank) for rank in (0, 1)]
+        assert None not in workers, "a worker's process not found"
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun alone: its workers live in other sessions
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in workers) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        stopped = time.monotonic() - killed
+        _, err = proc.communicate(timeout=30)  # the workers held the pipes
+    finally:
+        for pid in filter(None, workers):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert stopped < 60, f"the workers of a dead torchrun were still training after {stopped:.0f} s"
+    lines = [line for line in err.splitlines() if "stopping: its launcher (torchrun, pid" in line]
+    assert len(lines) == 2, err[-3000:]
+    records = train_records(tmp_path)
+    logged = max(r["step"] for r in records)
+    assert 10 <= logged < 40, logged  # the kill landed mid-run
+    for line in lines:  # what is lost, and where --resume goes on
+        found = re.search(r"steps? (\d+)(?:-(\d+))? (?:is|are) lost since checkpoint "
+                          r"iter_(\d+)\.pth \(step \3\); --resume continues from it$", line)
+        assert found, line
+        assert int(found.group(3)) == int(last.read_text().strip()[5:-4]) >= 10
+        assert int(found.group(2) or found.group(1)) >= logged  # nothing after the stop
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path),
+                        "--resume", "--cfg-options", *options))
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    resumed = {r["step"]: r["loss"] for r in train_records(tmp_path)}  # the later run's wins
+    assert sorted(resumed) == list(range(1, 41))
+    assert all(loss == expected[step] for step, loss in resumed.items())  # bit for bit
+
+
 # ---------------------------------------------------------------- the other launchers
 
 ONE_EPOCH = ["schedule.max_epochs=1", "logging.interval=5", "checkpoint.interval=1"]
@@ -403,6 +454,72 @@ def test_train_under_mpirun(tmp_path):
                 "--cfg-options", *ONE_EPOCH])
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_trained_one_epoch(tmp_path)
+
+
+def _python_processes_of(work_dir: Path) -> list[int]:
+    """The Python processes training into ``work_dir`` (the launcher's own command line names
+    it too, but runs another program)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(work_dir) in args and "python" in Path(args[0]).name:
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+LONG = [*SLOW, "schedule.max_iters=2000", "model.step_seconds=0.05"]  # 100 s if not stopped
+
+
+def _kill_launcher_after_checkpoint(cmd: list[str], work_dir: Path, env_: dict[str, str]
+                                    ) -> float:
+    """Start ``cmd`` (a run of `LONG` steps), SIGKILL it (the launcher alone) once iter_10.pth
+    is the newest checkpoint, and return how long its workers then took to end."""
+    last = work_dir / "checkpoints" / "last"
+    proc = subprocess.Popen(cmd, env=env_, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    workers: list[int] = []
+    try:
+        while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
+            assert proc.poll() is None, "the job ended before iter_10.pth: " + proc.stderr.read()
+            time.sleep(0.01)
+        workers = _python_processes_of(work_dir)
+        assert len(workers) == 2, workers
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in workers) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        return time.monotonic() - killed
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        assert max(r["step"] for r in train_records(work_dir)) < 2000  # it landed mid-run
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_mpirun_stop(tmp_path):
+    if not shutil.which("mpirun"):
+        pytest.skip("mpirun is not installed (Debian: apt-get install openmpi-bin)")
+    as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    seconds = _kill_launcher_after_checkpoint(
+        ["mpirun", "-np", "2", *as_root, "--oversubscribe", "-x", "PYTHONPATH", "-x",
+         "OMP_NUM_THREADS", "-x", f"MASTER_PORT={free_port()}", sys.executable, str(TRAIN),
+         str(CONFIG), "--launcher", "mpi", "--work-dir", str(tmp_path), "--cfg-options",
+         *LONG], tmp_path, env())
+    assert seconds < 60, f"the workers of a dead mpirun were still training after {seconds:.0f} s"
+
+
+@pytest.mark.slow
+def test_tasks_of_a_killed_srun_stop(slurm, tmp_path):
+    seconds = _kill_launcher_after_checkpoint(
+        ["srun", "--immediate=20", "--time=5", "-n", "2", sys.executable, str(TRAIN),
+         str(CONFIG), "--launcher", "slurm", "--work-dir", str(tmp_path), "--cfg-options",
+         *LONG], tmp_path, client_env(slurm.conf, env()))
+    assert seconds < 60, f"the tasks of a dead srun were still training after {seconds:.0f} s"
 
 
 @pytest.mark.slow

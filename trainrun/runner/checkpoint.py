@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainrun.dist import all_reduce, barrier, broadcast_object_list, is_main_process
+from trainrun.dist import all_reduce, at_checkpoint, barrier, broadcast_object_list, is_main_process
 from trainrun.runner.files import TMP_PREFIX, fsync_dir, write_atomically
 from trainrun.wrappers.base import (
     TRAIN_STATE,
@@ -53,6 +53,7 @@ class _Pending:
     tmp: Path
     final: Path
     update_last: bool
+    step: int
 
 
 def named_by_last(directory: Path) -> Path | None:
@@ -84,8 +85,10 @@ class CheckpointManager:
                     _remove(entry)
 
     def save(self, name: str, model: nn.Module, optimizer: Optimizers | None,
-             extra: dict[str, Any], update_last: bool = True, background: bool = False) -> Path:
-        """Write checkpoint ``name`` on every rank and publish it; returns its path.
+             extra: dict[str, Any], update_last: bool = True, background: bool = False,
+             step: int = 0) -> Path:
+        """Write checkpoint ``name`` (the state after ``step`` steps) on every rank and publish
+        it; returns its path.
 
         With ``background``, this returns once the state is copied in memory; the checkpoint
         is published by a later `poll` or `finish`, when every rank's part is on disk. A
@@ -102,10 +105,10 @@ class CheckpointManager:
         self.last_saved = final
         if background:
             future = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
-            self._pending = _Pending(future, tmp, final, update_last)
+            self._pending = _Pending(future, tmp, final, update_last, step)
             return final
         self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
-        self._publish(tmp, final, update_last)
+        self._publish(tmp, final, update_last, step)
         return final
 
     def poll(self) -> None:
@@ -131,7 +134,7 @@ class CheckpointManager:
         if failed.item():
             raise RuntimeError(f"background save of {pending.final.name} failed"
                                + (f" here: {error!r}" if error else " on another rank")) from error
-        self._publish(pending.tmp, pending.final, pending.update_last)
+        self._publish(pending.tmp, pending.final, pending.update_last, pending.step)
 
     def abandon(self) -> None:
         """Let a background save that will not be published (training failed) end on this
@@ -140,8 +143,9 @@ class CheckpointManager:
         if pending is not None:
             pending.future.exception()  # waits; a write that failed is of no use now either
 
-    def _publish(self, tmp: Path, final: Path, update_last: bool) -> None:
-        """Rename a complete checkpoint to its name and point ``last`` at it (rank 0)."""
+    def _publish(self, tmp: Path, final: Path, update_last: bool, step: int) -> None:
+        """Rename a complete checkpoint to its name and point ``last`` at it (rank 0); the
+        heartbeat then knows where a restart would continue from (`at_checkpoint`)."""
         barrier()  # every rank's part is on disk
         if is_main_process():
             if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
@@ -152,6 +156,8 @@ class CheckpointManager:
                 write_atomically(self.directory / LAST, final.name + "\n")
                 self._prune()
         barrier()
+        if update_last:
+            at_checkpoint(final.name, step)
 
     def remove(self, path: Path) -> None:
         if is_main_process():

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trainrun.dist import PeerFailure, infer_launcher
-from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
+from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.runner.checks import first_line
 from trainrun.runner.config import (
     LAUNCHERS,
@@ -31,7 +31,7 @@ from trainrun.runner.config import (
     load_config,
     saved_config_changes,
 )
-from trainrun.runner.plan import STARTERS, describe_plan, env_rank
+from trainrun.runner.plan import describe_plan, env_rank
 from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

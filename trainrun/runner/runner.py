@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from trainrun.dist import (
     PeerFailure,
+    at_checkpoint,
     barrier,
     gather_object,
     get_dist_info,
@@ -32,7 +33,7 @@ from trainrun.dist import (
     phase,
     watch_ranks,
 )
-from trainrun.dist.heartbeat import Heartbeat
+from trainrun.dist.heartbeat import Heartbeat, brief
 from trainrun.dist.timeouts import get_timeout
 from trainrun.runner.builder import (
     build_dataloader,
@@ -42,7 +43,6 @@ from trainrun.runner.builder import (
     wrap_optimizers,
 )
 from trainrun.runner.checkpoint import CheckpointManager, read_weights
-from trainrun.runner.checks import first_line
 from trainrun.runner.config import LAUNCH_KEYS, ConfigError, saved_config_changes
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.files import write_atomically
@@ -284,14 +284,17 @@ class Runner:
         """Resume (or load weights) as configured, then train to the end of the schedule."""
         if self.train_loop is None:
             raise ValueError("train() needs a training data loader (data.train in the config)")
+        at_checkpoint(None)
         self._resume_or_load()
         self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
-        with watch_ranks(get_timeout().total_seconds()) as heartbeat:
+        # a stop signal that comes while a failure is being explained (torchrun passing one
+        # on as it gives up) is only recorded: the explanation is what the user needs
+        with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
+                stop_signals() as self.stop_request:
             try:
-                with stop_signals() as self.stop_request:
-                    self.train_loop.run()
+                self.train_loop.run()
             except Preempted:
                 raise
             except Exception as error:
@@ -319,9 +322,9 @@ class Runner:
         try:
             why = PeerFailure(heartbeat.explain())
         except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
-            why = PeerFailure(f"rank {heartbeat.rank} lost contact with the other ranks "
-                              f"({first_line(error)}; and the job's store: {store_error})",
-                              said=False)
+            why = PeerFailure(heartbeat.lost_contact(
+                f"lost contact with the other ranks ({brief(error)}) and with the job's store "
+                f"at {heartbeat.address} ({brief(store_error)})"), said=False)
         raise why from error
 
     def val(self) -> dict[str, float]:
@@ -376,7 +379,7 @@ class Runner:
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
                                          self.optimizer, self._train_state(), update_last,
-                                         background)
+                                         background, step=self.iter)
 
     def _resume_or_load(self) -> None:
         path = None
@@ -420,6 +423,7 @@ class Runner:
             self.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
                                 "random streams restart, so losses will not match exactly",
                                 len(rngs), self.world_size)
+        at_checkpoint(Path(path).name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
 
     def load_weights(self, path: str | os.PathLike) -> None:
