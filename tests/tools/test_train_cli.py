@@ -134,6 +134,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it."""
+    for each in [*descendants(pid), pid]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 # (SIGKILL then --resume under ddp, fsdp and ZeRO-3 is tools/verify_resume.py's test, in
 # tests/tools/test_verify_resume.py)
 
@@ -255,6 +264,65 @@ def test_an_sbatch_job_signalled_requeues_itself_and_resumes_exactly(slurm, tmp_
 
 
 @pytest.mark.slow
+def test_a_job_into_a_run_directory_an_old_copy_still_writes_refuses_then_takes_over(
+        slurm, tmp_path, straight_run):
+    """A requeued (or doubly submitted) sbatch job whose old copy is still alive in the run
+    directory (here one started outside SLURM's reach, as an old step SLURM failed to kill
+    would be; its workers are held with SIGSTOP after its step-10 checkpoint, so that the
+    losses can be compared with a 40-step run) fails at once, exit 2, naming the holder, and
+    writes nothing. Once the old copy is dead, the next job takes the directory over, saying
+    so, and resumes exactly."""
+    straight = straight_run()
+    options = [*SLOW, "model.step_seconds=0.1"]
+    old = subprocess.Popen(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir",
+                                    str(tmp_path), "--cfg-options", *options),
+                           env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    last = tmp_path / "checkpoints" / "last"
+    try:
+        while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
+            assert old.poll() is None, "the old copy ended before iter_10.pth"
+            time.sleep(0.02)
+        workers = [pid for pid in descendants(old.pid) if _alive(pid)]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        holder = json.loads((tmp_path / "run.lock").read_text())
+
+        def job(output: Path) -> tuple[dict[str, str], str]:
+            job_id = slurm.submit(REPO / "tools" / "slurm_train.sbatch", "-n", "2",
+                                  f"--chdir={REPO}", f"--output={output}",
+                                  env={**env(), "CONFIG": str(CONFIG), "PYTHON": sys.executable},
+                                  script_args=["--work-dir", str(tmp_path), "--cfg-options",
+                                               *options])
+            return slurm.wait_job(job_id, timeout=120), output.read_text()
+
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+        info, log = job(tmp_path.parent / "refused.out")
+        # (the first rank to exit 2 makes srun --kill-on-bad-exit end the other)
+        assert info["JobState"] == "FAILED" and \
+            re.search(r"tasks? [-01]+: Exited with exit code 2", log), log[-3000:]
+        assert f"is in use by another job (host {holder['host']}, pid {holder['pid']}, " \
+               f"since {holder['since']}; lease renewed" in log, log[-3000:]
+        assert old.poll() is None and all(_alive(pid) for pid in workers)
+    finally:
+        _kill_tree(old.pid)
+        old.wait()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()
+            if p.is_file() and p.name != "metrics.jsonl" and p.name != "train.log"} == \
+        {k: v for k, v in before.items() if k not in ("metrics.jsonl", "train.log")}
+    assert b"is in use" not in (tmp_path / "train.log").read_bytes()
+
+    info, log = job(tmp_path.parent / "took-over.out")
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert f"took over {tmp_path} from host {holder['host']}, pid {holder['pid']}" in log
+    assert f"its process {holder['pid']} no longer exists" in log
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    resumed = {r["step"]: r["loss"] for r in train_records(tmp_path)}  # the later run's wins
+    assert sorted(resumed) == list(range(1, 41))
+    assert all(loss == expected[step] for step, loss in resumed.items())  # bit for bit
+
+
+@pytest.mark.slow
 def test_slurm_train_sh_trains_with_srun(slurm, tmp_path):
     script = str(REPO / "tools" / "slurm_train.sh")
     usage = subprocess.run(["bash", script, "debug"], capture_output=True, text=True)
@@ -371,11 +439,7 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
         ended = time.monotonic() - stopped
         assert not _alive(frozen), "the frozen rank was left behind"
     finally:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_tree(proc.pid)
     assert proc.returncode != 0 and ended < 90
     assert 20 <= ended, f"ended {ended:.0f} s after the freeze, before dist_timeout"
     lines = [line for line in err.splitlines() if "rank 1 silent for" in line]
@@ -431,6 +495,34 @@ def test_workers_of_a_killed_torchrun_stop_and_resume_exactly(tmp_path, straight
     resumed = {r["step"]: r["loss"] for r in train_records(tmp_path)}  # the later run's wins
     assert sorted(resumed) == list(range(1, 41))
     assert all(loss == expected[step] for step, loss in resumed.items())  # bit for bit
+
+
+@pytest.mark.slow
+def test_a_second_job_into_a_run_directory_in_use_is_refused(tmp_path):
+    """Two torchrun jobs started into one run directory 2 s apart (a double submission): the
+    second refuses before writing anything, exit 2, naming the holder; the first trains on
+    undisturbed, every step logged once."""
+    args = (str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path), "--cfg-options",
+            *SLOW, "model.step_seconds=0.25")
+    first = subprocess.Popen(torchrun(*args), env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    second = run(torchrun(*args))
+    while_second = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-3000:]
+    # both workers exit 2 (torchrun itself then exits 1); rank 0 says why
+    assert second.returncode != 0 and "exitcode  : 2" in second.stderr, second.stderr[-3000:]
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, second.stderr[-3000:]
+    assert re.fullmatch(rf"error: work_dir: {tmp_path} is in use by another job \(host \S+, "
+                        rf"pid \d+, since [-\d]+ [:\d]+; lease renewed \d+ s ago, "
+                        rf"see {tmp_path / 'run.lock'}\): .*; wait for that job to end \(or stop "
+                        rf"it\), or pass another --work-dir", errors[0]), errors[0]
+    assert while_second["config.yaml"] == (tmp_path / "config.yaml").read_bytes()
+    assert b"is in use" not in while_second["train.log"]  # its log went nowhere near
+    assert [r["step"] for r in train_records(tmp_path)] == list(range(1, 41))
+    assert not (tmp_path / "run.lock").exists()  # released at the end
 
 
 # ---------------------------------------------------------------- the other launchers

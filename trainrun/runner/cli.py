@@ -275,8 +275,8 @@ def run(cfg: DictConfig, method: str) -> int:
 
         runner = Runner.from_cfg(cfg)
         getattr(runner, method)()
-    except ConfigError as error:
-        return _usage_error(error)
+    except ConfigError as error:  # every rank finds the same: rank 0 says it
+        return _usage_error(error) if _rank(cfg) == 0 else EXIT_USAGE
     except Preempted as stop:
         if _rank(cfg) == 0:
             _say(f"preempted: {stop}")

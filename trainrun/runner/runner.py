@@ -25,6 +25,7 @@ from trainrun.dist import (
     PeerFailure,
     at_checkpoint,
     barrier,
+    broadcast_object_list,
     gather_object,
     get_dist_info,
     init_dist,
@@ -54,6 +55,7 @@ from trainrun.runner.hooks import (
     PreemptionHook,
     ValidationHook,
 )
+from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop
 from trainrun.runner.preemption import Preempted, StopRequest, stop_signals
@@ -137,6 +139,7 @@ class Runner:
         self._set_schedule(schedule or {"max_epochs": 10})
         self.schedulers = self._schedulers(scheduler)
 
+        self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
         self._prepare_work_dir()
         self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
         checkpoint = dict(checkpoint or {})
@@ -185,9 +188,20 @@ class Runner:
         )
 
     def _prepare_work_dir(self) -> None:
-        """Rank 0 creates the run directory, writes the resolved config and starts train.log."""
+        """Rank 0 creates the run directory and takes its lock (another live job holding it
+        is refused on every rank), writes the resolved config and starts train.log."""
+        refused = [None]
         if self.rank == 0:
             self.work_dir.mkdir(parents=True, exist_ok=True)
+            self.run_lock = RunLock(self.work_dir)
+            try:
+                self.run_lock.acquire()
+            except RunDirectoryBusy as error:
+                refused[0] = str(error)
+        broadcast_object_list(refused)
+        if refused[0] is not None:
+            raise RunDirectoryBusy(refused[0])
+        if self.rank == 0:
             if self.cfg is not None:
                 self._write_config(self.work_dir / "config.yaml")
         barrier()
@@ -439,6 +453,8 @@ class Runner:
         DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
         """
         self.checkpoints.abandon()
+        if self.run_lock is not None:
+            self.run_lock.release()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
         self.strategy.teardown()
         gc.collect()
