@@ -207,14 +207,20 @@ def test_sigterm_to_torchrun_checkpoints_and_resumes_exactly(tmp_path, straight_
 
 
 @pytest.mark.slow
-def test_sigusr1_to_a_single_process_exits_75_after_a_checkpoint(tmp_path):
-    """What ``sbatch --signal=USR1@60`` sends, to a run without a launcher: exit code 75."""
+@pytest.mark.parametrize("signum, options", [(signal.SIGUSR1, []),
+                                             (signal.SIGUSR2, ["preemption.signals=[USR2]"])],
+                         ids=["SIGUSR1", "preemption.signals"])
+def test_a_stop_signal_to_a_single_process_exits_75_after_a_checkpoint(tmp_path, signum,
+                                                                      options):
+    """What ``sbatch --signal=USR1@60`` sends (or the signal ``preemption.signals`` names), to
+    a run without a launcher: exit code 75."""
     config = REPO / "configs" / "digits_single.yaml"
     done = _signal_after_checkpoint(
         [sys.executable, str(TRAIN), str(config), "--work-dir", str(tmp_path), "--cfg-options",
-         *SLOW], tmp_path, "iter_10.pth", signal.SIGUSR1)
+         *SLOW, *options], tmp_path, "iter_10.pth", signum)
     assert done.returncode == 75, done.stderr[-3000:]
-    assert "preempted: stopped by SIGUSR1" in done.stderr
+    assert f"preempted: stopped by {signum.name}" in done.stderr
+    assert "written; run the same command with --resume to continue from it" in done.stderr
     assert "Traceback" not in done.stderr
     last = (tmp_path / "checkpoints" / "last").read_text().strip()
     assert max(r["step"] for r in train_records(tmp_path)) == int(last[5:-4]) < 40
@@ -523,6 +529,40 @@ def test_a_second_job_into_a_run_directory_in_use_is_refused(tmp_path):
     assert b"is in use" not in while_second["train.log"]  # its log went nowhere near
     assert [r["step"] for r in train_records(tmp_path)] == list(range(1, 41))
     assert not (tmp_path / "run.lock").exists()  # released at the end
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_with_resume_continues_exactly_after_a_worker_dies(
+        tmp_path, straight_run):
+    """Elastic restarts: a worker SIGKILLed after the step-10 checkpoint; torchrun
+    (--max-restarts 1) starts the workers again, --resume takes them back to the newest
+    checkpoint, the log says which restart it is, and the losses are an unbroken run's."""
+    straight = straight_run()
+    last = tmp_path / "checkpoints" / "last"
+    cmd = torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path), "--resume",
+                   "--cfg-options", *SLOW, "model.step_seconds=0.1")
+    proc = subprocess.Popen([*cmd[:3], "--max-restarts", "1", *cmd[3:]], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
+            assert proc.poll() is None, "the job ended before iter_10.pth"
+            time.sleep(0.01)
+        victim = _worker_pid(proc.pid, 1)
+        assert victim is not None, "rank 1's process not found"
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _kill_tree(proc.pid)
+    assert proc.returncode == 0, err[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    assert "torchrun restarted the workers: restart 1 of 1 (--max-restarts)" in log
+    resumed_at = int(re.search(r"resumed from \S+iter_(\d+)\.pth", log).group(1))
+    assert 10 <= resumed_at < 40  # the worker died mid-run
+    expected = {r["step"]: r["loss"] for r in train_records(straight)}
+    resumed = {r["step"]: r["loss"] for r in train_records(tmp_path)}  # the later run's wins
+    assert sorted(resumed) == list(range(1, 41))
+    assert all(loss == expected[step] for step, loss in resumed.items())  # bit for bit
 
 
 # ---------------------------------------------------------------- the other launchers

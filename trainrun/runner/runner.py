@@ -58,7 +58,7 @@ from trainrun.runner.hooks import (
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop
-from trainrun.runner.preemption import Preempted, StopRequest, stop_signals
+from trainrun.runner.preemption import STOP_SIGNALS, Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
@@ -90,6 +90,7 @@ class Runner:
         randomness: Mapping[str, Any] | None = None,
         logging: Mapping[str, Any] | None = None,
         checkpoint: Mapping[str, Any] | None = None,
+        preemption: Mapping[str, Any] | None = None,
         resume: bool | str = False,
         load_from: str | None = None,
         launcher: str = "none",
@@ -108,12 +109,14 @@ class Runner:
                       **(randomness or {})}
         self.seed = set_random_seed(**randomness)
         self.resume_from = resume
+        self.stop_signals = list((preemption or {}).get("signals", STOP_SIGNALS))
         self.load_from = load_from
         self.work_dir = Path(work_dir)
         # the console now; train.log (with what was logged before) once the run directory is
         # made, after everything the config describes was built: a config that cannot be
         # built leaves no trace on disk
         self.logger = setup_logging(hold_for_file=self.rank == 0)
+        self._log_restart()
         self.precision = precision
 
         model = build_model(model) if isinstance(model, Mapping) else model
@@ -179,6 +182,7 @@ class Runner:
             randomness=plain.get("randomness"),
             logging=plain.get("logging"),
             checkpoint=plain.get("checkpoint"),
+            preemption=plain.get("preemption"),
             resume=plain.get("resume", False),
             load_from=plain.get("load_from"),
             launcher=plain.get("launcher", "none"),
@@ -224,6 +228,18 @@ class Runner:
         write_atomically(config_file, OmegaConf.to_yaml(self.cfg, resolve=True)
                          if isinstance(self.cfg, DictConfig)
                          else yaml.safe_dump(dict(self.cfg), sort_keys=False))
+
+    def _log_restart(self) -> None:
+        """Say when this process is a restart: torchrun's (``--max-restarts``, after a worker
+        died) or a requeued SLURM job's."""
+        torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        slurm = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        if torchrun:
+            self.logger.warning("torchrun restarted the workers: restart %d of %s "
+                                "(--max-restarts)", torchrun,
+                                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
+        if slurm:
+            self.logger.warning("SLURM started this job again: restart %d", slurm)
 
     def _loader(self, loader: Any, split: str) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
@@ -306,7 +322,7 @@ class Runner:
         # a stop signal that comes while a failure is being explained (torchrun passing one
         # on as it gives up) is only recorded: the explanation is what the user needs
         with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
-                stop_signals() as self.stop_request:
+                stop_signals(self.stop_signals) as self.stop_request:
             try:
                 self.train_loop.run()
             except Preempted:
