@@ -2,7 +2,7 @@
 
 Exit codes: 0 success; 2 a bad config or command line (one line on stderr naming the key or
 argument, no traceback); 1 a failure while running (the traceback, then one line naming the
-rank); 75 stopped by SIGTERM or SIGUSR1 after writing a checkpoint (requeued under SLURM
+rank); 75 stopped by a preemption signal (SIGTERM, SIGUSR1) after writing a checkpoint (requeued under SLURM
 where allowed; otherwise resume with --resume); 130 interrupted (Ctrl-C). Nothing is
 written before the config is valid, and a dry run writes nothing.
 """
