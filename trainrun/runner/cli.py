@@ -2,9 +2,9 @@
 
 Exit codes: 0 success; 2 a bad config or command line (one line on stderr naming the key or
 argument, no traceback); 1 a failure while running (the traceback, then one line naming the
-rank); 75 stopped by a preemption signal (SIGTERM, SIGUSR1) after writing a checkpoint (requeued under SLURM
-where allowed; otherwise resume with --resume); 130 interrupted (Ctrl-C). Nothing is
-written before the config is valid, and a dry run writes nothing.
+rank); 75 stopped by a preemption signal (``preemption.signals``) after writing a checkpoint
+(requeued under SLURM where allowed; otherwise resume with --resume); 130 interrupted
+(Ctrl-C). Nothing is written before the config is valid, and a dry run writes nothing.
 """
 
 from __future__ import annotations
