@@ -7,6 +7,7 @@ tested from the command line in tests/tools/test_train_cli.py; here are its part
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as torch_dist
 
 import trainrun.dist as dist
+import trainrun.dist.heartbeat as heartbeat_module
 from trainrun.dist.heartbeat import Beat, Heartbeat, describe, rank_list
 
 
@@ -78,27 +80,97 @@ def test_the_watcher_names_a_rank_that_stopped_beating():
     assert watcher.store.add(watcher.key("told"), 0) == 1
 
 
-class GoneStore:
-    """A store whose host froze: every call times out."""
+class BlockedStore:
+    """A store whose host froze, or was cut off: every call blocks (torch's store client may
+    never return then, whatever its timeout)."""
+
+    host, port = "10.0.0.1", 29500
 
     def __getattr__(self, name):
         def call(*args):
-            raise RuntimeError("Socket Timeout")
+            threading.Event().wait()
         return call
 
 
-class UnansweredHeartbeat(Heartbeat):
-    def _exit_unanswered(self, seconds: float, error: Exception) -> None:
-        self.unanswered = seconds
-        self._stop.set()
+class RefusingStore:
+    """A store whose host died: every call fails at once with a reset connection."""
+
+    host, port = "10.0.0.1", 29500
+
+    def __getattr__(self, name):
+        def call(*args):
+            raise torch_dist.DistNetworkError("Connection reset by peer")
+        return call
 
 
-def test_a_store_that_stops_answering_ends_the_rank_after_the_timeout():
-    heartbeat = UnansweredHeartbeat(GoneStore(), 1, 2, silent_after=0.5, prefix="t")
-    heartbeat.unanswered = None
-    heartbeat._thread.start()  # start() would beat first, and raise here
-    heartbeat._thread.join(timeout=10)
-    assert heartbeat.unanswered is not None and 0.5 <= heartbeat.unanswered < 2
+class LostHeartbeat(Heartbeat):
+    """Records why the rank would stop, and when, instead of ending the process."""
+
+    def _exit_lost(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.lost.append((time.monotonic() - self.since, self.lost_contact(reason)))
+            self._stop.set()
+
+
+def _lost(store, launcher=None, training=True):
+    heartbeat = LostHeartbeat(store, 1, 2, silent_after=0.6, prefix="t", launcher=launcher,
+                              training=training)
+    heartbeat.lost, heartbeat.since = [], time.monotonic()
+    heartbeat._thread.start()  # start() would beat first, from this thread
+    heartbeat._guard.start()
+    heartbeat._guard.join(timeout=10)
+    assert heartbeat.lost, "the rank was never stopped"
+    return heartbeat.lost[0]
+
+
+def test_a_store_that_blocks_ends_the_rank_after_the_timeout():
+    dist.at_step(12)
+    dist.at_checkpoint("iter_10.pth", 10)
+    seconds, message = _lost(BlockedStore())
+    assert 0.6 <= seconds < 2, seconds
+    assert message == ("rank 1: stopping: no answer from the job's store at 10.0.0.1:29500 for "
+                       "1 s: its host froze, or the network between this node and it is "
+                       "down, so the other ranks cannot be reached either; step 11 is lost "
+                       "since checkpoint iter_10.pth (step 10); --resume continues from it"), \
+        message
+
+
+def test_a_store_that_refuses_ends_the_rank_within_seconds_whatever_the_timeout():
+    dist.at_step(31)
+    dist.at_checkpoint(None)
+    heartbeat_gone = Heartbeat.GONE_AFTER
+    Heartbeat.GONE_AFTER = 0.3
+    try:
+        seconds, message = _lost(RefusingStore())
+    finally:
+        Heartbeat.GONE_AFTER = heartbeat_gone
+    assert seconds < 0.6 + 0.2  # before the timeout: a dead store is not a slow one
+    assert message == ("rank 1: stopping: the job's store at 10.0.0.1:29500 is gone "
+                       "(Connection reset by peer): its host or the launcher hosting it died; "
+                       "the 30 steps trained are lost (no checkpoint yet); --resume starts "
+                       "again from the beginning")
+
+
+def test_a_rank_whose_launcher_died_stops(monkeypatch):
+    monkeypatch.setattr(heartbeat_module, "_PARENT", -5)  # not this process's parent
+    dist.at_step(None)
+    seconds, message = _lost(torch_dist.HashStore(), launcher="torchrun", training=False)
+    assert seconds < 0.5
+    assert message == "rank 1: stopping: its launcher (torchrun, pid -5) is gone"
+
+
+def test_what_a_stop_loses():
+    dist.at_checkpoint("epoch_2.pth", 40)
+    for step, said in ((None, "nothing since checkpoint epoch_2.pth is lost"),
+                       (41, "nothing since checkpoint epoch_2.pth is lost"),
+                       (42, "step 41 is lost since checkpoint epoch_2.pth (step 40)"),
+                       (50, "steps 41-49 are lost since checkpoint epoch_2.pth (step 40)")):
+        dist.at_step(step)
+        assert heartbeat_module.lost_work().startswith(said)
+    dist.at_checkpoint(None)
+    dist.at_step(1)
+    assert heartbeat_module.lost_work() == ("nothing trained is lost (no checkpoint yet); "
+                                            "--resume starts again from the beginning")
 
 
 def _posted_failure_body(failing):

@@ -510,5 +510,12 @@ def test_checkpoint_options(tmp_path):
     assert cfg.checkpoint["async"] is True
 
 
+def test_preemption_signals_by_name(tmp_path):
+    assert load(tmp_path).preemption.signals == ["SIGTERM", "SIGUSR1"]
+    cfg = load(tmp_path, overrides=["preemption.signals=[usr2,TERM]"])
+    assert cfg.preemption.signals == ["SIGUSR2", "SIGTERM"]
+    assert load(tmp_path, overrides=["preemption.signals=[]"]).preemption.signals == []
+
+
 def test_seed_may_be_null(tmp_path):
     assert load(tmp_path, overrides=["randomness.seed=null"]).randomness.seed is None

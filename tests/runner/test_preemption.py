@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from trainrun.runner.preemption import Preempted, StopRequest, requeue_slurm_job, stop_signals
+from trainrun.runner.preemption import (
+    Preempted,
+    StopRequest,
+    requeue_slurm_job,
+    signal_number,
+    stop_signals,
+)
 from trainrun.runner.runner import Runner
 
 
@@ -126,21 +132,47 @@ def test_the_handler_only_records_and_the_previous_handler_comes_back():
     assert StopRequest().agreed() is None
 
 
-def test_requeue_needs_a_slurm_job(monkeypatch, tmp_path):
+def test_requeue_needs_a_slurm_job_and_says_why_one_is_not_requeued(monkeypatch, tmp_path):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
-    assert requeue_slurm_job() is False
-    # a job id but an scontrol that refuses: False, with the refusal logged
+    assert requeue_slurm_job() == (False, None)
+    # a job, but no scontrol (a container): not requeued, saying so
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    assert requeue_slurm_job() == (False, "scontrol is not installed here, as in many "
+                                          "containers")
+    stop = Preempted(12, "SIGTERM", "iter_12.pth", *requeue_slurm_job())
+    assert str(stop) == ("stopped by SIGTERM after step 12; checkpoint iter_12.pth written; "
+                         "this SLURM job could not requeue itself (scontrol is not installed "
+                         "here, as in many containers): submit it again, or run the same "
+                         "command with --resume to continue from it")
+    # an scontrol that refuses: not requeued, with the refusal
     fake = tmp_path / "scontrol"
     fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\n"
                     "echo 'Requested operation not supported on this job' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "41")
-    assert requeue_slurm_job() is False
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{path}")
+    assert requeue_slurm_job() == (False, "scontrol requeue 41 refused: Requested operation "
+                                          "not supported on this job")
     assert (tmp_path / "args").read_text().split() == ["requeue", "41"]
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "40")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\nexit 0\n")
-    assert requeue_slurm_job() is True
+    assert requeue_slurm_job() == (True, None)
     assert (tmp_path / "args").read_text().split() == ["requeue", "40_3"]
+    assert str(Preempted(3, "SIGUSR1", "iter_3.pth", True)).endswith("; the job is requeued")
+    assert str(Preempted(3, "SIGUSR1", "iter_3.pth", False)).endswith(
+        "written; run the same command with --resume to continue from it")
+
+
+def test_the_signals_that_stop_training_are_chosen_by_name():
+    previous, term = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)
+    with stop_signals(["usr2", "SIGHUP"]) as request:
+        assert signal.getsignal(signal.SIGTERM) is term  # not among them: left alone
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert request.agreed() == "SIGUSR2"
+    assert signal.getsignal(signal.SIGUSR2) is previous
+    for name, says in (("KILL", "cannot be caught"), ("SIGFOO", "is not a signal")):
+        with pytest.raises(ValueError, match=says):
+            signal_number(name)

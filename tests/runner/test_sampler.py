@@ -9,6 +9,7 @@ import pytest
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import trainrun.dist as dist
+from trainrun.runner.sample_seeds import sample_seed
 from trainrun.runner.sampler import ResumableSampler
 
 SIZES = (1, 2, 7, 20, 21, 64)
@@ -101,6 +102,17 @@ def test_set_epoch_restarts_and_state_round_trips():
     assert list(fresh) == list(sampler) and len(fresh) == 6
     sampler.set_epoch(5)
     assert sampler.cursor == 0 and len(sampler) == 10
+
+
+def test_sample_seeds_go_with_the_same_indices_from_any_cursor():
+    for world, rank, cursor in [(1, 0, 0), (2, 1, 6), (3, 2, 19)]:
+        plain = ours(21, world, rank, seed=3, epoch=2, cursor=cursor)
+        seeded = ResumableSampler(21, seed=3, num_replicas=world, rank=rank, sample_seeds=True)
+        seeded.load_state_dict(plain.state_dict())
+        assert list(seeded) == [(i, sample_seed(3, 2, i)) for i in plain]
+        assert len(seeded) == len(plain) and seeded.state_dict() == plain.state_dict()
+    seeds = {sample_seed(seed, epoch, i) for seed in (0, 1) for epoch in (0, 1) for i in range(50)}
+    assert len(seeds) == 200 and all(0 <= s < 2**64 for s in seeds)
 
 
 class Counting(Dataset):

@@ -1,4 +1,5 @@
-"""Models the command-line tests name by import path (``model.type=tests.tools.models.X``)."""
+"""Models and data sets the command-line tests name by import path
+(``model.type=tests.tools.models.X``, ``data.train.type=tests.tools.models.Y``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 import random
 import time
 
+import numpy as np
+import torch
 import torch.distributed as torch_dist
 
-from trainrun.examples.digits import DigitsMLP
+from trainrun.examples.digits import DigitsDataset, DigitsMLP
 
 
 class SlowDigitsMLP(DigitsMLP):
@@ -55,3 +58,18 @@ class UnsavedNoiseDigitsMLP(DigitsMLP):
         if mode == "loss":
             out["loss"] = out["loss"] * (1 + self.noise * self.rng.random())
         return out
+
+
+class NoisyDigits(DigitsDataset):
+    """The digits, each image read with noise drawn from torch's, numpy's and python's global
+    generators: random augmentation as a data set usually does it."""
+
+    def __init__(self, noise: float = 0.05, **kwargs):
+        super().__init__(**kwargs)
+        self.noise = noise
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        noise = (torch.randn(item["inputs"].shape) + float(np.random.uniform(-1, 1))
+                 + random.gauss(0, 1))
+        return {**item, "inputs": item["inputs"] + self.noise * noise}

@@ -84,6 +84,9 @@ CASES = [
     (["--cfg-options", "dist_timeout=0"], ["dist_timeout", "0"]),
     (["--cfg-options", "randomness.seed=-3"], ["randomness.seed", "-3"]),
     (["--cfg-options", "model.dropout=2"], ["dropout"]),
+    (["--cfg-options", "preemption.signals=[SIGKILL]"], ["preemption.signals[0]", "SIGKILL",
+                                                         "cannot be caught"]),
+    (["--cfg-options", "preemption.signals=[SIGNOPE]"], ["preemption.signals[0]", "SIGNOPE"]),
     # unknown keys and values
     (["--cfg-options", "optim.lrr=0.1"], ["optim.lrr", "'optim.lr'"]),
     (["--cfg-options", "colour=blue"], ["colour"]),

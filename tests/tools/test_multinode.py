@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.procs import free_port
-from tests.tools.test_train_cli import CONFIG, TRAIN, env, train_records
+from tests.tools.test_train_cli import CONFIG, TRAIN, _alive, descendants, env, train_records
 from trainrun.examples.digits import DigitsMLP
 
 NPROC = 2
@@ -74,25 +76,33 @@ def two_nodes():
             _ip("netns", "delete", name)  # takes its end of the veth pair, and so both
 
 
+def _start_nodes(nodes, work_dir: Path, options: list[str], resume: bool = False):
+    """``torchrun --nnodes 2`` in each namespace of ``nodes``, training the digits config
+    into ``work_dir`` with ``options``; the first node hosts the rendezvous (torchrun cannot
+    tell from the hostname, which both namespaces share, as it cannot on a cluster whose
+    nodes name themselves alike)."""
+    endpoint = f"{nodes[0][2]}:{free_port()}"
+    jobs = []
+    for index, (name, interface, address) in enumerate(nodes):
+        cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", "2", "--nproc_per_node", str(NPROC), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", endpoint, "--rdzv-id", "trainrun", "--local-addr", address,
+               "--rdzv-conf", f"is_host={int(index == 0)}",
+               str(TRAIN), str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
+               *(["--resume"] if resume else []), "--cfg-options", *options]
+        jobs.append(subprocess.Popen(cmd, env={**env(), "GLOO_SOCKET_IFNAME": interface},
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True))
+    return jobs
+
+
 @pytest.mark.slow
 def test_torchrun_across_two_namespaces_numbers_ranks_by_node_and_trains(two_nodes, tmp_path):
     reports, work_dir = tmp_path / "places", tmp_path / "run"
     reports.mkdir()
-    endpoint = f"{two_nodes[0][2]}:{free_port()}"
-    jobs = []
-    for index, (name, interface, address) in enumerate(two_nodes):
-        # the first node hosts the rendezvous: torchrun cannot tell from the hostname, which
-        # both namespaces share (as it cannot on a cluster whose nodes name themselves alike)
-        cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", "2", "--nproc_per_node", str(NPROC), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", "--local-addr", address,
-               "--rdzv-conf", f"is_host={int(index == 0)}",
-               str(TRAIN), str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
-               "--cfg-options", "schedule.max_epochs=2", "logging.interval=4",
-               "model.type=tests.tools.test_multinode.PlaceReportingMLP",
-               f"model.report_dir={reports}"]
-        jobs.append(subprocess.Popen(cmd, env={**env(), "GLOO_SOCKET_IFNAME": interface},
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    jobs = _start_nodes(two_nodes, work_dir, [
+        "schedule.max_epochs=2", "logging.interval=4",
+        "model.type=tests.tools.test_multinode.PlaceReportingMLP", f"model.report_dir={reports}"])
     outputs = [job.communicate(timeout=180) for job in jobs]
     for job, (_, err) in zip(jobs, outputs, strict=True):
         assert job.returncode == 0, err[-3000:]
@@ -114,3 +124,78 @@ def test_torchrun_across_two_namespaces_numbers_ranks_by_node_and_trains(two_nod
     # 1258 training images dealt to 4 ranks (315 each) in batches of 32: 10 steps an epoch
     assert [r["step"] for r in train_records(work_dir)] == [4, 8, 12, 16, 20]
     assert (work_dir / "checkpoints" / "last").read_text().strip() == "epoch_2.pth"
+
+
+# ---------------------------------------------------------------- a network partition
+
+def _cut(nodes, cut: bool) -> None:
+    """Drop every packet either node sends to the other (a queue of length 0 on both ends of
+    the link), or let them through again: a partition, silent as a cut cable far away."""
+    for name, interface, _ in nodes:
+        args = ("replace", "dev", interface, "root", "pfifo", "limit", "0") if cut else \
+            ("del", "dev", interface, "root")
+        done = subprocess.run(["tc", "-n", name, "qdisc", *args], capture_output=True, text=True,
+                              timeout=30)
+        if cut and done.returncode != 0:
+            pytest.skip(f"cannot drop packets with tc here: {done.stderr.strip()}")
+
+
+@pytest.mark.slow
+def test_a_partition_ends_both_sides_and_resume_continues_exactly(two_nodes, tmp_path):
+    """The link between the nodes cut mid-run: the node hosting the store names the silent
+    ranks, the other one, cut off from the store, says so; both end within dist_timeout and a
+    few seconds, nothing left running. With the link back, --resume on both nodes continues
+    from the newest checkpoint with the losses the first run logged after it."""
+    work_dir, timeout = tmp_path / "run", 10
+    options = ["schedule.max_epochs=null", "schedule.max_iters=200", "checkpoint.interval=10",
+               "logging.interval=1", "schedule.val_interval=1000",
+               "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.05",
+               f"dist_timeout={timeout}"]
+    jobs = _start_nodes(two_nodes, work_dir, options)
+    workers: list[int] = []
+    try:
+        while not (work_dir / "metrics.jsonl").exists() or \
+                max(r["step"] for r in train_records(work_dir)) < 27:
+            assert all(job.poll() is None for job in jobs), "a node ended before step 27"
+            time.sleep(0.02)
+        workers = [pid for job in jobs for pid in descendants(job.pid)
+                   if "train.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        _cut(two_nodes, True)
+        cut = time.monotonic()
+        ended = []
+        for job in jobs:
+            _, err = job.communicate(timeout=timeout + 120)
+            ended.append((time.monotonic() - cut, job.returncode, err))
+    finally:
+        _cut(two_nodes, False)
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, 9)
+    assert len(workers) == 2 * NPROC
+    assert not [pid for pid in workers if _alive(pid)], "workers left running after the cut"
+    (seconds0, code0, err0), (seconds1, code1, err1) = ended
+    assert code0 != 0 and code1 != 0
+    assert max(seconds0, seconds1) < timeout + 60, (seconds0, seconds1)
+    # the store's side names the ranks it lost; the other side says it lost the store
+    assert re.search(r"stopping every rank: rank 2 silent for \d+ s, last seen at step \d+ "
+                     r"in [^;]+; rank 3 silent", err0), err0[-3000:]
+    # (said by the heartbeat's guard, or by the main thread when its collective timed out
+    # first, which then finds the store gone too)
+    cut_off = re.findall(rf"rank [23]: stopping: (?:no answer from|lost contact with the other "
+                         rf"ranks \([^)]*\) and with) the job's store at {two_nodes[0][2]}:\d+.*"
+                         rf"; --resume continues from it", err1)
+    assert cut_off, err1[-3000:]
+    first = {r["step"]: r["loss"] for r in train_records(work_dir)}
+    saved = int((work_dir / "checkpoints" / "last").read_text().strip()[5:-4])
+    assert saved >= 20 and max(first) > saved  # steps after the checkpoint to compare
+
+    options[1] = "schedule.max_iters=40"
+    jobs = _start_nodes(two_nodes, work_dir, options, resume=True)
+    for job in jobs:
+        _, err = job.communicate(timeout=180)
+        assert job.returncode == 0, err[-3000:]
+    assert f"resumed from {work_dir / 'checkpoints' / f'iter_{saved}.pth'}" in \
+        (work_dir / "train.log").read_text()
+    resumed = train_records(work_dir)[len(first):]
+    assert [r["step"] for r in resumed] == list(range(saved + 1, 41))
+    assert all(r["loss"] == first[r["step"]] for r in resumed if r["step"] in first)

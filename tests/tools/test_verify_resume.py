@@ -57,6 +57,23 @@ def test_digits_on_two_processes_resumes_exactly(child_env, capsys, options):
 
 
 @pytest.mark.slow
+def test_augmentation_in_two_workers_resumes_exactly_after_a_kill_mid_epoch(child_env, capsys,
+                                                                            tmp_path):
+    """A data set drawing from torch, numpy and random in ``__getitem__``, read by 2 workers
+    on each of 2 ranks: the step-13 checkpoint lies inside the first epoch (20 steps), and the
+    resumed run goes on into the second."""
+    code = vr.main([str(CONFIG), "--nproc", "2", "--steps", "26", "--work-dir", str(tmp_path),
+                    "--cfg-options", "data.train.type=tests.tools.models.NoisyDigits",
+                    "data.train.num_workers=2"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "killed with SIGKILL after step " in out
+    resumed_log = (tmp_path / "resumed.log").read_text()
+    assert "/iter_13.pth at epoch 1, step 13" in resumed_log, resumed_log[-2000:]
+    assert out.splitlines()[-2] == "exact resume: the losses of steps 1-26 match bit for bit"
+
+
+@pytest.mark.slow
 def test_a_generator_the_checkpoint_misses_is_reported_at_its_first_step(child_env, capsys,
                                                                           tmp_path):
     code = vr.main([str(CONFIG), "--steps", "6", "--work-dir", str(tmp_path), "--cfg-options",

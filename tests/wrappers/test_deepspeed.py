@@ -1,8 +1,10 @@
 """Strategy 'deepspeed': the config it builds, training on 2 gloo ranks under ZeRO 1-3 with the
-losses of ddp, one-process runs, and checkpoints that resume exactly."""
+losses of ddp, one-process runs, checkpoints that resume exactly, and on another number of
+processes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -15,8 +17,13 @@ import torch
 from tests.runner.toy import CrashAfter, Killed, Payload, rehash
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.runner import Runner
+from trainrun.runner.sampler import ResumableSampler
 from trainrun.wrappers import build_strategy, is_model_wrapper
-from trainrun.wrappers.deepspeed import deepspeed_config
+from trainrun.wrappers.deepspeed import (
+    deepspeed_config,
+    saved_world_size,
+    universal_copy,
+)
 
 pytest.importorskip("deepspeed")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2]
@@ -233,6 +240,112 @@ def test_resume_gives_bit_identical_losses(run_on, tmp_path, stage):
     assert [step for step, _ in after] == list(range(11, 25))
     for step, loss in after:
         assert loss == expected[step], step
+
+
+def _full_state(runner) -> dict[str, torch.Tensor]:
+    """Every parameter's whole fp32 value and Adam moments, assembled from the ZeRO partitions
+    (every rank must call this)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for name, param in runner.strategy.unwrap(runner.model).named_parameters():
+        out[name] = safe_get_full_fp32_param(param).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).clone()
+    return out
+
+
+class _AfterLoading:
+    """Records the state right after resuming, and the samples of the epoch resumed."""
+
+    priority = 99
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def before_run(self, runner):
+        self.state = _full_state(runner)
+        self.position = (runner.iter, runner.train_dataloader.sampler.state_dict())
+        self.read = []
+
+    def before_train_iter(self, runner, batch_idx, batch):
+        if runner.epoch == 0:
+            self.read += batch["index"].tolist()
+
+
+def _save_on_two_body(base, stage):
+    runner = _runner(base, {"type": "deepspeed", "zero_stage": stage}, max_iters=6,
+                     checkpoint={"interval": 6})
+    runner.train()
+    state = _full_state(runner)
+    runner.close()
+    return state
+
+
+def _resume_on_three_body(base, stage):
+    hook = _AfterLoading()
+    runner = _runner(base, {"type": "deepspeed", "zero_stage": stage}, max_iters=9,
+                     checkpoint={"interval": 6}, resume=True, hooks=[hook])
+    runner.train()
+    runner.close()
+    return hook.state, hook.position, hook.read
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_of_two_processes_resumes_on_three(run_on, tmp_path, stage):
+    """Saved mid-epoch at step 6 by 2 processes, resumed by 3: DeepSpeed's universal
+    checkpoint, made beside the checkpoint and removed, gives every rank the saved weights and
+    Adam moments; the run goes on from step 6 and the sampler's cursor (each unread sample of
+    the epoch read once, on 3 ranks); the published checkpoint is left as it was."""
+    saved = run_on(2)(_save_on_two_body, str(tmp_path), stage)[0]
+    checkpoints = tmp_path / "checkpoints"
+    hashes = _file_hashes(checkpoints / "iter_6.pth")
+    results = run_on(3)(_resume_on_three_body, str(tmp_path), stage)
+    order = ResumableSampler(64, seed=7, num_replicas=1, rank=0).epoch_order()
+    for state, position, _ in results:
+        assert position == (6, {"epoch": 0, "cursor": 48, "seed": 7})  # 6 steps of 2 x 4
+        assert state.keys() == saved.keys()
+        for key, value in saved.items():
+            assert torch.equal(state[key], value), key
+    read = sorted(index for _, _, indices in results for index in indices)
+    assert read == sorted(order[48:] + order[:2])  # 16 left, 2 padding samples: 3 x 2 x 3
+    assert sorted(_losses(tmp_path)) == list(range(1, 10))
+    assert all(loss == loss for loss in _losses(tmp_path).values())  # no NaN
+    log = (tmp_path / "train.log").read_text()
+    assert (f"resume: {checkpoints / 'iter_6.pth'} was written by 2 processes, this job has "
+            "3: loaded through DeepSpeed's universal checkpoint") in log
+    assert "this job has 3: random streams restart" in log
+    assert _file_hashes(checkpoints / "iter_6.pth") == hashes
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_6.pth", "iter_9.pth", "last"]
+
+
+def test_the_conversion_refuses_a_crafted_partition_and_leaves_nothing(tmp_path):
+    """DeepSpeed's converter reads the partitions with weights_only=False: forced to
+    weights_only, a crafted one is refused, never run, and the failure says how to go on."""
+    checkpoint = tmp_path / "iter_4.pth"
+    (checkpoint / "state").mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    for rank in range(2):
+        torch.save({"optimizer_state_dict": {"zero_stage": 2, "x": Payload(str(marker))}},
+                   checkpoint / "state" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    torch.save({"module": {}}, checkpoint / "state" / "mp_rank_00_model_states.pt")
+    assert saved_world_size(checkpoint) == 2
+    with pytest.raises(RuntimeError) as error, universal_copy(checkpoint, 2):
+        pass
+    message = str(error.value)
+    assert message.startswith(f"resume: {checkpoint} was written by 2 processes and this job "
+                              "has 1; converting it to DeepSpeed's universal checkpoint failed")
+    assert "refused to load: it holds posix.system" in message
+    assert message.endswith("resume on 2 processes, or start from its weights only with "
+                            "load_from")
+    assert not marker.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["iter_4.pth"]  # no copy left beside it
 
 
 def _single_process_body(work_dir):

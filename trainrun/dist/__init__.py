@@ -25,6 +25,7 @@ from trainrun.dist.collectives import (
 from trainrun.dist.device import cast_data_device, get_comm_device, get_data_device, get_device
 from trainrun.dist.heartbeat import (
     PeerFailure,
+    at_checkpoint,
     at_step,
     is_comm_error,
     phase,
@@ -68,7 +69,7 @@ __all__ = [
     "BACKENDS", "DIST_BACKENDS", "LAUNCHERS", "REDUCE_OPS",
     "BaseDistBackend", "DistInitError", "DistTimeoutError", "Handle", "PeerFailure",
     "all_gather", "all_gather_object", "all_reduce", "all_reduce_dict", "all_reduce_params",
-    "at_step",
+    "at_checkpoint", "at_step",
     "barrier", "broadcast", "broadcast_object_list", "cast_data_device", "collect_results",
     "collect_results_cpu", "collect_results_gpu", "expand_nodelist", "gather", "gather_object",
     "get_backend", "get_comm_device", "get_data_device", "get_default_group", "get_device",

@@ -8,7 +8,16 @@ the collective timeout, or when some rank posts a failure, the thread ends its o
 with one message naming who stopped and where every rank was. No rank then waits in a
 collective that cannot finish, whatever the backend does with its own timeout.
 
-The main thread only records its place (`at_step`, `phase`: attribute writes, no I/O).
+A second thread, which never touches the store (a store call can block for good when the
+store's host froze or the network to it is cut), ends the rank when it has lost the job: its
+launcher died (torchrun, srun or mpirun; a worker of a dead launcher would otherwise train
+on and write into a run directory a requeued job may be using), the store refuses or resets
+connections (its host died), or the store has not answered for the collective timeout (its
+host froze, or this node is cut off). Each rank then says in one line, on stderr only, what
+was lost since the newest checkpoint.
+
+The main thread only records its place (`at_step`, `phase`, `at_checkpoint`: attribute
+writes, no I/O).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -35,10 +45,11 @@ EXIT_STOPPED = 1  # the exit code of a rank the heartbeat stops: a failure, like
 # ---------------------------------------------------------------- this rank's place
 
 class _Place:
-    """Where the main thread is; written by it, read by the heartbeat thread."""
+    """Where the main thread is; written by it, read by the heartbeat threads."""
 
     step: int | None = None
     phase: str = "setup"
+    checkpoint: tuple[str, int] | None = None  # the newest checkpoint's name and step
 
 
 _place = _Place()
@@ -47,6 +58,12 @@ _place = _Place()
 def at_step(step: int | None) -> None:
     """Record the training step this rank is in (None: not in a step)."""
     _place.step = step
+
+
+def at_checkpoint(name: str | None, step: int = 0) -> None:
+    """Record ``name`` (written after ``step`` steps) as the checkpoint a restart of this run
+    would continue from; None: none yet."""
+    _place.checkpoint = None if name is None else (name, step)
 
 
 def set_phase(name: str) -> None:
@@ -81,6 +98,28 @@ def is_comm_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(mark in text for mark in (
         "Connection closed by peer", "Connection reset by peer", "pair closure",
         "Timed out waiting", "timed out after", "gloo/transport", "Broken pipe"))
+
+
+def is_connection_lost(error: BaseException) -> bool:
+    """Whether a store call failed because the store's end of the connection is gone (its
+    process died: the connection was refused, reset or closed), rather than slow."""
+    text = str(error)
+    return any(mark in text for mark in ("Connection reset by peer", "Broken pipe",
+                                         "Connection refused", "Connection closed by peer"))
+
+
+def lost_work() -> str:
+    """What a rank stopping now loses, and where ``--resume`` goes on: the steps since the
+    newest checkpoint."""
+    done = _place.step - 1 if _place.step else None
+    if _place.checkpoint is None:
+        lost = f"the {done} steps trained are lost" if done else "nothing trained is lost"
+        return f"{lost} (no checkpoint yet); --resume starts again from the beginning"
+    name, step = _place.checkpoint
+    if done is None or done <= step:
+        return f"nothing since checkpoint {name} is lost; --resume continues from it"
+    span = f"step {done} is" if done == step + 1 else f"steps {step + 1}-{done} are"
+    return f"{span} lost since checkpoint {name} (step {step}); --resume continues from it"
 
 
 # ---------------------------------------------------------------- what the ranks report
@@ -153,10 +192,21 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
+def brief(error: BaseException) -> str:
+    """An error's first sentence, without the source location backends put first
+    ('[.../pair.cc:537] Read error ...: Connection timed out. This is typically ...')."""
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", _first_line(error))
+    return line.split(". ", 1)[0]
+
+
 def _flush_logs() -> None:
-    for handler in log.handlers:
-        handler.flush()
-    sys.stderr.flush()
+    """Flush the log and stderr; one whose reader is gone (a dead launcher held the pipe)
+    must not keep this process from ending."""
+    for stream in [*log.handlers, sys.stderr]:
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def _end_process() -> None:
@@ -182,39 +232,54 @@ class _LockedStore:
 
 
 class Heartbeat:
-    """This rank's heartbeat thread and what it knows; see the module's docstring."""
+    """This rank's heartbeat threads and what they know; see the module's docstring."""
 
     GRACE = 2.0  # seconds the main thread gets to report a failure itself
+    GONE_AFTER = 3.0  # seconds of refused or reset store connections that mean a dead store
 
     def __init__(self, store: torch_dist.Store, rank: int, world_size: int,
-                 silent_after: float, prefix: str):
+                 silent_after: float, prefix: str, launcher: str | None = None,
+                 training: bool = False):
         self.store, self.rank, self.world_size = _LockedStore(store), rank, world_size
+        self.address = _address(store)
         self.silent_after = silent_after
         self.interval = min(1.0, silent_after / 10)
         self.prefix = prefix
+        self.launcher = launcher  # the program that started this process, watched; or None
+        self.training = training  # a stop loses the steps since the newest checkpoint
         self.failing = False  # set once this rank's main thread handles a failure itself
         self._concluding, self._concluded = threading.Lock(), False
         self._seq = 0
         self._started = 0.0  # when this rank's heartbeat started (its clock)
+        self._answered = time.monotonic()  # when the store last answered
+        self._refused: tuple[float, BaseException] | None = None  # since when, and how
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainrun-heartbeat",
                                         daemon=True)
+        self._guard = threading.Thread(target=self._watch_job, name="trainrun-job-guard",
+                                       daemon=True)
 
     def key(self, name: str | int) -> str:
         return f"{self.prefix}/{name}"
 
-    # -------------------------------------------------------- the thread
+    # -------------------------------------------------------- the threads
 
     def start(self) -> None:
         self._started = time.time()
         self._beat()
+        self._answered = time.monotonic()
         self._thread.start()
+        self._guard.start()
 
     def stop(self) -> None:
-        """End the thread; the rank's last beat says 'finished', so nobody waits on it."""
+        """End the threads; the rank's last beat says 'finished', so nobody waits on it."""
         self._stop.set()
-        self._thread.join()
-        if not self.failing:
+        self._guard.join()
+        self._thread.join(timeout=self.interval + 10)
+        if self._thread.is_alive():  # stuck in a store call: the store cannot be told
+            log.warning("heartbeat: could not report this rank finished: the job's store at "
+                        "%s does not answer", self.address)
+        elif not self.failing:
             try:
                 self._beat("finished")
             except Exception as error:  # the run itself is done; say why, do not fail it
@@ -226,9 +291,9 @@ class Heartbeat:
         self.store.set(self.key(self.rank), beat.encode())
 
     def _run(self) -> None:
+        """Report this rank, and watch the one before it and the posted stop (store calls)."""
         watched = (self.rank - 1) % self.world_size
         last_seq, changed = -1, time.monotonic()
-        answered = time.monotonic()  # when the store last answered
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
@@ -236,24 +301,54 @@ class Heartbeat:
                     self._stop_for_posted()
                     return
                 beat = self._read(watched)  # None: not started (silent since this one started)
-            except Exception as error:  # the store's host (rank 0, or the launcher) is gone
-                if self._stop.is_set() or self.failing:
+            except Exception as error:  # the store is slow, or gone: `_watch_job` decides
+                if self._stop.is_set():
                     return
-                if time.monotonic() - answered >= self.silent_after:
-                    self._exit_unanswered(time.monotonic() - answered, error)
+                if is_connection_lost(error) and self._refused is None:
+                    self._refused = (time.monotonic(), error)
                 continue
-            answered = time.monotonic()
+            self._answered, self._refused = time.monotonic(), None
             if beat is not None and (beat.seq != last_seq or beat.phase == "finished"):
                 last_seq, changed = beat.seq, time.monotonic()
             elif time.monotonic() - changed >= self.silent_after and not self.failing:
                 self._exit(*self._post(*self.account()))
 
-    def _exit_unanswered(self, seconds: float, error: Exception) -> None:
-        """The store has not answered for the timeout: its host froze or died, and nobody can
-        be told; each rank says so for itself and ends."""
-        log.error("rank %d: stopping: the job's store (hosted by rank 0 or the launcher) has "
-                  "not answered for %.0f s: %s", self.rank, seconds, _first_line(error))
-        _end_process()
+    def _watch_job(self) -> None:
+        """End this rank when the job is lost to it (never touching the store, whose calls may
+        block for good): its launcher died, the store is gone, or it stopped answering."""
+        parent = _PARENT if self.launcher else None
+        while not self._stop.wait(self.interval):
+            if parent is not None and os.getppid() != parent:
+                self._exit_lost(f"its launcher ({self.launcher}, pid {parent}) is gone")
+            refused = self._refused  # (a failing rank's main thread says its own error first)
+            if refused is not None and time.monotonic() - refused[0] >= self.GONE_AFTER \
+                    and not self.failing:
+                self._exit_lost(f"the job's store at {self.address} is gone "
+                                f"({_first_line(refused[1])}): its host or the launcher "
+                                "hosting it died")
+            unanswered = time.monotonic() - self._answered
+            if unanswered >= self.silent_after:
+                self._exit_lost(f"no answer from the job's store at {self.address} for "
+                                f"{unanswered:.0f} s: its host froze, or the network between "
+                                "this node and it is down, so the other ranks cannot be "
+                                "reached either")
+
+    def lost_contact(self, reason: str) -> str:
+        """One line: this rank stops because of ``reason``, and what that loses."""
+        line = f"rank {self.rank}: stopping: {reason}"
+        return f"{line}; {lost_work()}" if self.training else line
+
+    def _exit_lost(self, reason: str) -> None:
+        """Say why this rank stops, on stderr only (a job that lost its launcher writes
+        nothing more into the run directory, which a requeued job may use), and end it."""
+        if self._stop.is_set():
+            return
+        try:
+            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR {self.lost_contact(reason)}",
+                  file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # stderr went to the dead launcher: nobody can be told
+            pass
+        os._exit(EXIT_STOPPED)
 
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this
@@ -368,10 +463,22 @@ class PeerFailure(RuntimeError):
         self.said = said
 
 
+_PARENT = os.getppid()  # the process that started this one (a launcher's, if any)
+
+
+def _address(store: torch_dist.Store) -> str:
+    """Where ``store`` is served ('host:port'), or a description when it is not a TCPStore."""
+    while not hasattr(store, "host") and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host is not None else type(store).__name__
+
+
 def _store(silent_after: float) -> torch_dist.Store | None:
     """A client of the default group's store for the heartbeat alone (None: the group has no
-    store, as under the MPI backend), whose calls give up after a few beats: a store that does
-    not answer is itself news (see `Heartbeat._run`). torch has no public accessor for that
+    store, as under the MPI backend), whose calls give up after a few beats where torch honours
+    the timeout (a store whose host froze can still block a call for good: see
+    `Heartbeat._watch_job`). torch has no public accessor for that
     store; one without ``clone`` (torch < 2.5) is shared, timeout and all."""
     try:
         store = torch_dist.distributed_c10d._get_default_store()
@@ -391,9 +498,12 @@ def _prefix() -> str:
 
 
 @contextmanager
-def watch_ranks(silent_after: float) -> Iterator[Heartbeat | None]:
+def watch_ranks(silent_after: float, training: bool = False) -> Iterator[Heartbeat | None]:
     """Run this rank's heartbeat for the duration (every rank of the default group must enter
-    together); yields None where there is nothing to watch (one process, or no store)."""
+    together); yields None where there is nothing to watch (one process, or no store).
+    ``training``: a rank that stops says which steps since the newest checkpoint it loses."""
+    from trainrun.dist.launch import STARTERS, infer_launcher  # launch imports this module
+
     global _generation
     if not (torch_dist.is_available() and torch_dist.is_initialized()) \
             or torch_dist.get_world_size() == 1:
@@ -406,7 +516,7 @@ def watch_ranks(silent_after: float) -> Iterator[Heartbeat | None]:
         return
     _generation += 1
     heartbeat = Heartbeat(store, torch_dist.get_rank(), torch_dist.get_world_size(),
-                          silent_after, _prefix())
+                          silent_after, _prefix(), STARTERS.get(infer_launcher()), training)
     heartbeat.start()
     try:
         yield heartbeat

@@ -21,6 +21,7 @@ from trainrun.dist.slurm import expand_nodelist, expand_tasks_per_node
 from trainrun.dist.timeouts import named_operation, set_timeout, to_timedelta
 
 LAUNCHERS = ("pytorch", "slurm", "mpi")
+STARTERS = {"pytorch": "torchrun", "slurm": "srun", "mpi": "mpirun"}  # each launcher's program
 BACKENDS = ("nccl", "gloo", "mpi", "auto")
 DEFAULT_PORT = 29500
 
@@ -200,8 +201,13 @@ def launch_env(launcher: str, **kwargs: Any) -> LaunchEnv:
     return _LAUNCHER_ENVS[launcher](**kwargs)
 
 
+_joined_as: list[str] = []  # the launcher `init_dist` joined the group as, once it has
+
+
 def infer_launcher() -> str:
     """The launcher that started this process: 'pytorch', 'slurm', 'mpi' or 'none'."""
+    if _joined_as:  # every launcher exports torchrun's variables on joining
+        return _joined_as[-1]
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         return "pytorch"
@@ -294,6 +300,7 @@ def init_dist(
     env = launch_env(launcher, **kwargs)
     kwargs.pop("port", None)
     _export(env)
+    _joined_as[:] = [launcher]
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     set_timeout(timeout)

@@ -15,6 +15,7 @@ from trainrun.runner.checks import first_line
 from trainrun.runner.config import ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
+from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.seed import seed_worker
 from trainrun.wrappers.base import Optimizers
@@ -59,15 +60,22 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     `ResumableSampler`.
 
     The loader gets a generator of its own (re-seeded every epoch by the loop), so building
-    iterators never draws from the global random stream.
+    iterators never draws from the global random stream. A training loader with workers reads
+    every sample under a seed of its own (`SeededSamples`): in the workers, random
+    augmentation would otherwise depend on which worker served which batch since the epoch
+    (or the resumed run) began. Without workers the data set draws from the main process's
+    streams, which checkpoints save.
     """
     name, options = _split(cfg)
     loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
     options.pop("metrics", None)
     dataset = construct(key, "dataset", name, options)
     shuffle = loader.pop("shuffle", train)
-    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed)
     num_workers = loader.get("num_workers", 0)
+    seeded = train and num_workers > 0
+    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, sample_seeds=seeded)
+    if seeded:
+        dataset = SeededSamples(dataset)
     return DataLoader(
         dataset,
         batch_size=loader.get("batch_size", 32),

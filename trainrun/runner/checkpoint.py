@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from trainrun.dist import (
     all_reduce,
+    at_checkpoint,
     barrier,
     broadcast_object_list,
     gather_object,
@@ -83,6 +84,7 @@ class _Pending:
     tmp: Path
     final: Path
     update_last: bool
+    step: int
 
 
 def named_by_last(directory: Path) -> Path | None:
@@ -117,8 +119,10 @@ class CheckpointManager:
                     _remove(entry)
 
     def save(self, name: str, model: nn.Module, optimizer: Optimizers | None,
-             extra: dict[str, Any], update_last: bool = True, background: bool = False) -> Path:
-        """Write checkpoint ``name`` on every rank and publish it; returns its path.
+             extra: dict[str, Any], update_last: bool = True, background: bool = False,
+             step: int = 0) -> Path:
+        """Write checkpoint ``name`` (the state after ``step`` steps) on every rank and publish
+        it; returns its path.
 
         With ``background``, this returns once the state is copied in memory; the checkpoint
         is published by a later `poll` or `finish`, when every rank's part is on disk. A
@@ -136,10 +140,10 @@ class CheckpointManager:
         if background:
             written = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
             self._pending = _Pending(self._hash_when_written(written, tmp, final), tmp, final,
-                                     update_last)
+                                     update_last, step)
             return final
         self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
-        self._publish(tmp, final, update_last, self._own_hashes(tmp, final))
+        self._publish(tmp, final, update_last, step, self._own_hashes(tmp, final))
         return final
 
     def _own_hashes(self, tmp: Path, final: Path) -> dict[str, str]:
@@ -186,7 +190,8 @@ class CheckpointManager:
         if failed.item():
             raise RuntimeError(f"background save of {pending.final.name} failed"
                                + (f" here: {error!r}" if error else " on another rank")) from error
-        self._publish(pending.tmp, pending.final, pending.update_last, pending.future.result())
+        self._publish(pending.tmp, pending.final, pending.update_last, pending.step,
+                      pending.future.result())
 
     def abandon(self) -> None:
         """Let a background save that will not be published (training failed) end on this
@@ -195,10 +200,11 @@ class CheckpointManager:
         if pending is not None:
             pending.future.exception()  # waits; a write that failed is of no use now either
 
-    def _publish(self, tmp: Path, final: Path, update_last: bool,
+    def _publish(self, tmp: Path, final: Path, update_last: bool, step: int,
                  hashes: dict[str, str]) -> None:
         """Write the manifest of a complete checkpoint with every rank's ``hashes``, rename the
-        checkpoint to its name and point ``last`` at it (rank 0)."""
+        checkpoint to its name and point ``last`` at it (rank 0); the heartbeat then knows
+        where a restart would continue from (`at_checkpoint`)."""
         every_rank = gather_object(hashes, dst=0)  # and every rank's part is on disk
         if is_main_process():
             write_manifest(tmp, final, {k: v for part in every_rank for k, v in part.items()})
@@ -212,6 +218,8 @@ class CheckpointManager:
                 write_atomically(self.directory / LAST, final.name + "\n")
                 self._prune()
         barrier()
+        if update_last:
+            at_checkpoint(final.name, step)
 
     def remove(self, path: Path) -> None:
         if is_main_process():

@@ -2,9 +2,9 @@
 
 Exit codes: 0 success; 2 a bad config or command line (one line on stderr naming the key or
 argument, no traceback); 1 a failure while running (the traceback, then one line naming the
-rank); 75 stopped by SIGTERM or SIGUSR1 after writing a checkpoint (requeued under SLURM
-where allowed; otherwise resume with --resume); 130 interrupted (Ctrl-C). Nothing is
-written before the config is valid, and a dry run writes nothing.
+rank); 75 stopped by a preemption signal (``preemption.signals``) after writing a checkpoint
+(requeued under SLURM where allowed; otherwise resume with --resume); 130 interrupted
+(Ctrl-C). Nothing is written before the config is valid, and a dry run writes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trainrun.dist import PeerFailure, infer_launcher
-from trainrun.dist.launch import DistInitError, launch_env, resolve_backend
+from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.runner.checks import first_line
 from trainrun.runner.config import (
     LAUNCHERS,
@@ -31,7 +31,7 @@ from trainrun.runner.config import (
     load_config,
     saved_config_changes,
 )
-from trainrun.runner.plan import STARTERS, describe_plan, env_rank
+from trainrun.runner.plan import describe_plan, env_rank
 from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -280,8 +280,8 @@ def run(cfg: DictConfig, method: str) -> int:
 
         runner = Runner.from_cfg(cfg)
         getattr(runner, method)()
-    except ConfigError as error:
-        return _usage_error(error)
+    except ConfigError as error:  # every rank finds the same: rank 0 says it
+        return _usage_error(error) if _rank(cfg) == 0 else EXIT_USAGE
     except Preempted as stop:
         if _rank(cfg) == 0:
             _say(f"preempted: {stop}")

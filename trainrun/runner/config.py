@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 
 from trainrun.runner.checks import closest, is_int, is_number, show
 from trainrun.runner.optim import PRECISIONS
+from trainrun.runner.preemption import STOP_SIGNALS, signal_number
 from trainrun.runner.scheduler import check_scheduler, check_total_iters
 from trainrun.wrappers import STRATEGIES
 
@@ -433,6 +434,19 @@ def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any
     return out
 
 
+def stop_signal(key: str, value: Any) -> str:
+    """A signal name ('SIGTERM', 'TERM', 'usr1') that can be caught, as 'SIGTERM'."""
+    if not isinstance(value, str):
+        raise bad_value(key, value, "a signal name such as SIGTERM or SIGUSR1")
+    try:
+        return signal_number(value).name
+    except ValueError as error:
+        raise bad_value(key, value, f"a signal that can be caught ({error})") from None
+
+
+stop_signal.expected = "signal names such as SIGTERM or SIGUSR1"  # type: ignore[attr-defined]
+
+
 def check_resume(key: str, value: Any) -> bool | str:
     if value is None or isinstance(value, bool):
         return bool(value)
@@ -470,6 +484,9 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         })),
         "logging": (None, partial(check_logging, warnings=warnings)),
         "checkpoint": (None, partial(check_checkpoint, warnings=warnings)),
+        "preemption": (None, section({
+            "signals": (list(STOP_SIGNALS), names(stop_signal)),
+        })),
         "resume": (False, check_resume),
         "load_from": (None, nullable(existing_path)),
     }
@@ -619,8 +636,10 @@ def validate_config(cfg: DictConfig | dict[str, Any], *, mode: str = "train") ->
 # How a run's processes are started and where it starts from: not the run itself (a job
 # begun under torchrun may go on under srun).
 LAUNCH_KEYS = ("launcher", "backend", "dist_timeout", "resume", "load_from", "work_dir")
-# What a resumed run may change without --force: those, and how long it trains.
-RESUME_MAY_CHANGE = ("schedule.max_epochs", "schedule.max_iters", *LAUNCH_KEYS)
+# What a resumed run may change without --force: those, how long it trains and which signals
+# stop it.
+RESUME_MAY_CHANGE = ("schedule.max_epochs", "schedule.max_iters", "preemption.signals",
+                     *LAUNCH_KEYS)
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -14,14 +14,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainrun.dist import get_device
-from trainrun.dist.launch import resolve_backend
+from trainrun.dist.launch import STARTERS, resolve_backend
 
 # The variables each launcher announces the world size and this process's rank in.
 WORLD_SIZE_VARS = {"pytorch": ("WORLD_SIZE",), "slurm": ("SLURM_NTASKS",),
                    "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
 RANK_VARS = {"pytorch": ("RANK",), "slurm": ("SLURM_PROCID",),
              "mpi": ("OMPI_COMM_WORLD_RANK", "PMI_RANK")}
-STARTERS = {"pytorch": "torchrun", "slurm": "srun", "mpi": "mpirun"}
 
 
 def _env_int(names: tuple[str, ...]) -> tuple[int, str] | None:

@@ -1,5 +1,6 @@
-"""Stopping cleanly when the cluster asks: SIGTERM (torchrun passing on its own, SLURM at
-preemption or the time limit) or SIGUSR1 (what ``sbatch --signal=USR1@60`` sends).
+"""Stopping cleanly when the cluster asks: by default SIGTERM (torchrun passing on its own,
+SLURM at preemption or the time limit) or SIGUSR1 (what ``sbatch --signal=USR1@60`` sends);
+``preemption.signals`` in the config names others.
 
 The handler only records the signal: no collectives and no I/O run inside it. At step
 boundaries (about every quarter of a second) the ranks agree through one small all_reduce of
@@ -28,17 +29,25 @@ from trainrun.dist import all_reduce, get_rank, is_distributed
 
 log = logging.getLogger("trainrun")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # the default of preemption.signals
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request; resume (or requeued) to go on
 
 
 class Preempted(Exception):  # noqa: N818 - a stop, not an error
-    """Training stopped at ``step`` because of ``signal_name``, after saving a checkpoint."""
+    """Training stopped at ``step`` because of ``signal_name``, after saving a checkpoint;
+    ``requeued``: the SLURM job requeued itself; ``not_requeued``: why a SLURM job could not."""
 
-    def __init__(self, step: int, signal_name: str, checkpoint: str, requeued: bool):
+    def __init__(self, step: int, signal_name: str, checkpoint: str, requeued: bool,
+                 not_requeued: str | None = None):
         self.step, self.signal_name = step, signal_name
         self.checkpoint, self.requeued = checkpoint, requeued
-        then = "the job is requeued" if requeued else "resume with --resume"
+        if requeued:
+            then = "the job is requeued"
+        else:
+            then = (f"this SLURM job could not requeue itself ({not_requeued}): submit it "
+                    f"again, or " if not_requeued else "") + \
+                "run the same command with --resume to continue from it"
         super().__init__(f"stopped by {signal_name} after step {step}; checkpoint "
                          f"{checkpoint} written; {then}")
 
@@ -86,16 +95,30 @@ class StopRequest:
         return signal.Signals(signum).name if signum else None
 
 
+def signal_number(name: str) -> signal.Signals:
+    """The signal called ``name`` ('SIGTERM', 'TERM', 'usr1'); ValueError for an unknown or
+    uncatchable one."""
+    full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+    if full in UNCATCHABLE:
+        raise ValueError(f"{name} cannot be caught, so it cannot stop training cleanly")
+    try:
+        return signal.Signals[full]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a signal of this system") from None
+
+
 @contextmanager
-def stop_signals() -> Iterator[StopRequest]:
-    """Record SIGTERM and SIGUSR1 instead of dying of them, for the duration; the handlers
-    that were there before come back afterwards. Outside the main thread (where Python cannot
-    install handlers) signals keep their previous handling."""
+def stop_signals(names: tuple[str, ...] | list[str] = STOP_SIGNALS) -> Iterator[StopRequest]:
+    """Record the signals ``names`` (SIGTERM and SIGUSR1 by default) instead of dying of them,
+    for the duration; the handlers that were there before come back afterwards. Outside the
+    main thread (where Python cannot install handlers) signals keep their previous
+    handling."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
-    previous = {signum: signal.signal(signum, request.handler) for signum in STOP_SIGNALS}
+    previous = {signum: signal.signal(signum, request.handler)
+                for signum in map(signal_number, names)}
     try:
         yield request
     finally:
@@ -103,16 +126,22 @@ def stop_signals() -> Iterator[StopRequest]:
             signal.signal(signum, handler)
 
 
-def requeue_slurm_job() -> bool:
-    """``scontrol requeue $SLURM_JOB_ID`` when inside a SLURM job; whether it was accepted."""
+def requeue_slurm_job() -> tuple[bool, str | None]:
+    """``scontrol requeue $SLURM_JOB_ID`` when inside a SLURM job: whether the job is
+    requeued, and if it is a SLURM job that is not, why (None outside SLURM)."""
     array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     job_id = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return False, None
     scontrol = shutil.which("scontrol")
-    if not job_id or scontrol is None:
-        return False
-    done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True,
-                          timeout=60)
+    if scontrol is None:
+        return False, "scontrol is not installed here, as in many containers"
+    try:
+        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return False, f"scontrol requeue {job_id} failed: {error}"
     if done.returncode != 0:
-        log.warning("scontrol requeue %s refused: %s", job_id,
-                    (done.stderr or done.stdout).strip() or f"exit {done.returncode}")
-    return done.returncode == 0
+        why = ((done.stderr or done.stdout).strip() or f"exit {done.returncode}").splitlines()[0]
+        return False, f"scontrol requeue {job_id} refused: {why}"
+    return True, None

@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader
 
 from trainrun.dist import (
     PeerFailure,
+    at_checkpoint,
     barrier,
+    broadcast_object_list,
     gather_object,
     get_dist_info,
     init_dist,
@@ -33,7 +35,7 @@ from trainrun.dist import (
     phase,
     watch_ranks,
 )
-from trainrun.dist.heartbeat import Heartbeat
+from trainrun.dist.heartbeat import Heartbeat, brief
 from trainrun.dist.timeouts import get_timeout
 from trainrun.runner.builder import (
     build_dataloader,
@@ -50,7 +52,6 @@ from trainrun.runner.checkpoint import (
     read_weights,
     resolve_checkpoint,
 )
-from trainrun.runner.checks import first_line
 from trainrun.runner.config import LAUNCH_KEYS, ConfigError, saved_config_changes
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.files import write_atomically
@@ -62,10 +63,11 @@ from trainrun.runner.hooks import (
     PreemptionHook,
     ValidationHook,
 )
+from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop
 from trainrun.runner.manifest import DamagedCheckpoint, verify_checkpoint
-from trainrun.runner.preemption import Preempted, StopRequest, stop_signals
+from trainrun.runner.preemption import STOP_SIGNALS, Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
@@ -97,6 +99,7 @@ class Runner:
         randomness: Mapping[str, Any] | None = None,
         logging: Mapping[str, Any] | None = None,
         checkpoint: Mapping[str, Any] | None = None,
+        preemption: Mapping[str, Any] | None = None,
         resume: bool | str = False,
         load_from: str | None = None,
         launcher: str = "none",
@@ -115,12 +118,14 @@ class Runner:
                       **(randomness or {})}
         self.seed = set_random_seed(**randomness)
         self.resume_from = resume
+        self.stop_signals = list((preemption or {}).get("signals", STOP_SIGNALS))
         self.load_from = load_from
         self.work_dir = Path(work_dir)
         # the console now; train.log (with what was logged before) once the run directory is
         # made, after everything the config describes was built: a config that cannot be
         # built leaves no trace on disk
         self.logger = setup_logging(hold_for_file=self.rank == 0)
+        self._log_restart()
         self.precision = precision
 
         model = build_model(model) if isinstance(model, Mapping) else model
@@ -151,6 +156,7 @@ class Runner:
                                              max_keep=checkpoint.get("max_keep", 3))
         self._intact: set[Path] = set()  # checkpoints verified against their manifests
         self.start_from = self._start_point()  # damaged: refused before anything is written
+        self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
         self._prepare_work_dir()
         self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
         self.timer = IterTimerHook()
@@ -187,6 +193,7 @@ class Runner:
             randomness=plain.get("randomness"),
             logging=plain.get("logging"),
             checkpoint=plain.get("checkpoint"),
+            preemption=plain.get("preemption"),
             resume=plain.get("resume", False),
             load_from=plain.get("load_from"),
             launcher=plain.get("launcher", "none"),
@@ -196,9 +203,20 @@ class Runner:
         )
 
     def _prepare_work_dir(self) -> None:
-        """Rank 0 creates the run directory, writes the resolved config and starts train.log."""
+        """Rank 0 creates the run directory and takes its lock (another live job holding it
+        is refused on every rank), writes the resolved config and starts train.log."""
+        refused = [None]
         if self.rank == 0:
             self.work_dir.mkdir(parents=True, exist_ok=True)
+            self.run_lock = RunLock(self.work_dir)
+            try:
+                self.run_lock.acquire()
+            except RunDirectoryBusy as error:
+                refused[0] = str(error)
+        broadcast_object_list(refused)
+        if refused[0] is not None:
+            raise RunDirectoryBusy(refused[0])
+        if self.rank == 0:
             if self.cfg is not None:
                 self._write_config(self.work_dir / "config.yaml")
         barrier()
@@ -221,6 +239,18 @@ class Runner:
         write_atomically(config_file, OmegaConf.to_yaml(self.cfg, resolve=True)
                          if isinstance(self.cfg, DictConfig)
                          else yaml.safe_dump(dict(self.cfg), sort_keys=False))
+
+    def _log_restart(self) -> None:
+        """Say when this process is a restart: torchrun's (``--max-restarts``, after a worker
+        died) or a requeued SLURM job's."""
+        torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        slurm = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        if torchrun:
+            self.logger.warning("torchrun restarted the workers: restart %d of %s "
+                                "(--max-restarts)", torchrun,
+                                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
+        if slurm:
+            self.logger.warning("SLURM started this job again: restart %d", slurm)
 
     def _loader(self, loader: Any, split: str) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
@@ -295,14 +325,17 @@ class Runner:
         """Resume (or load weights) as configured, then train to the end of the schedule."""
         if self.train_loop is None:
             raise ValueError("train() needs a training data loader (data.train in the config)")
+        at_checkpoint(None)
         self._resume_or_load()
         self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
-        with watch_ranks(get_timeout().total_seconds()) as heartbeat:
+        # a stop signal that comes while a failure is being explained (torchrun passing one
+        # on as it gives up) is only recorded: the explanation is what the user needs
+        with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
+                stop_signals(self.stop_signals) as self.stop_request:
             try:
-                with stop_signals() as self.stop_request:
-                    self.train_loop.run()
+                self.train_loop.run()
             except Preempted:
                 raise
             except Exception as error:
@@ -330,9 +363,9 @@ class Runner:
         try:
             why = PeerFailure(heartbeat.explain())
         except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
-            why = PeerFailure(f"rank {heartbeat.rank} lost contact with the other ranks "
-                              f"({first_line(error)}; and the job's store: {store_error})",
-                              said=False)
+            why = PeerFailure(heartbeat.lost_contact(
+                f"lost contact with the other ranks ({brief(error)}) and with the job's store "
+                f"at {heartbeat.address} ({brief(store_error)})"), said=False)
         raise why from error
 
     def val(self) -> dict[str, float]:
@@ -387,7 +420,7 @@ class Runner:
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
                                          self.optimizer, self._train_state(), update_last,
-                                         background)
+                                         background, step=self.iter)
 
     def _start_point(self) -> tuple[str, Path] | None:
         """What `train` starts from, verified against its manifest: ('resume', checkpoint),
@@ -477,6 +510,7 @@ class Runner:
             self.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
                                 "random streams restart, so losses will not match exactly",
                                 len(rngs), self.world_size)
+        at_checkpoint(Path(path).name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
 
     def load_weights(self, path: str | os.PathLike) -> None:
@@ -494,6 +528,8 @@ class Runner:
         DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
         """
         self.checkpoints.abandon()
+        if self.run_lock is not None:
+            self.run_lock.release()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
         self.strategy.teardown()
         gc.collect()

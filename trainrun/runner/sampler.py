@@ -3,7 +3,9 @@
 It deals indices to ranks exactly as torch's `DistributedSampler` does (the same
 permutation for the same seed and epoch; rank r takes positions r, r + N, ...), but its
 position is a global sample cursor: resuming skips the consumed indices without loading a
-single batch, and the cursor means the same thing for any number of ranks.
+single batch, and the cursor means the same thing for any number of ranks. With
+``sample_seeds`` it deals ``(index, seed)`` pairs, the seed a function of (seed, epoch, index)
+only, for `SeededSamples` to read the sample with.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import torch
 from torch.utils.data import Sampler
 
 from trainrun.dist import get_dist_info
+from trainrun.runner.sample_seeds import sample_seed
 
 
-class ResumableSampler(Sampler[int]):
-    """Indices of one rank's share of ``dataset_len`` samples, from ``cursor`` onwards."""
+class ResumableSampler(Sampler[int | tuple[int, int]]):
+    """Indices of one rank's share of ``dataset_len`` samples, from ``cursor`` onwards; with
+    ``sample_seeds``, ``(index, sample_seed(seed, epoch, index))`` pairs."""
 
     def __init__(self, dataset_len: int, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, num_replicas: int | None = None,
-                 rank: int | None = None):
+                 rank: int | None = None, sample_seeds: bool = False):
         default_rank, default_world = get_dist_info()
         self.dataset_len = dataset_len
         self.shuffle = shuffle
@@ -31,6 +35,7 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = drop_last
         self.num_replicas = num_replicas if num_replicas is not None else default_world
         self.rank = rank if rank is not None else default_rank
+        self.sample_seeds = sample_seeds
         self.epoch = 0
         self.cursor = 0  # samples of this epoch, over all ranks, already consumed
 
@@ -55,14 +60,18 @@ class ResumableSampler(Sampler[int]):
             return self._remaining() // self.num_replicas
         return math.ceil(self._remaining() / self.num_replicas)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int | tuple[int, int]]:
         order = self.epoch_order()
         remaining = order[self.cursor:]
         total = len(self) * self.num_replicas
         if total > len(remaining):  # pad by wrapping around, as DistributedSampler does
             padding = total - len(remaining)
             remaining += (order * math.ceil(padding / len(order)))[:padding]
-        return iter(remaining[:total][self.rank::self.num_replicas])
+        share = remaining[:total][self.rank::self.num_replicas]
+        if self.sample_seeds:
+            seed, epoch = self.seed, self.epoch
+            return ((index, sample_seed(seed, epoch, index)) for index in share)
+        return iter(share)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}

@@ -7,17 +7,21 @@ DeepSpeed keys. A setting given both ways with different values is refused, nami
 
 The engine owns accumulation, clipping and precision, so ``train_step`` gets a
 `DeepSpeedOptimWrapper` (``engine.backward`` then ``engine.step``) instead of the runner's
-`OptimWrapper`. Checkpoints are DeepSpeed's own directories, written and read by every rank.
+`OptimWrapper`. Checkpoints are DeepSpeed's own directories, written and read by every rank; one
+written by another number of processes is loaded through DeepSpeed's universal checkpoint.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import logging
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from torch import Tensor, nn
 
 from trainrun.dist import (
     barrier,
+    broadcast_object_list,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -161,6 +166,67 @@ def _fsync(files: list[Path]) -> None:
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a checkpoint directory this strategy wrote."""
     return any((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
+
+
+_OPTIM_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+# '.tmp-': the runner removes such entries of the checkpoint directory before its next save,
+# so a universal copy left by a crash while resuming does not stay
+UNIVERSAL_PREFIX = ".tmp-universal-"
+
+
+def saved_world_size(path: str | os.PathLike) -> int | None:
+    """How many processes wrote the DeepSpeed checkpoint at ``path`` (one ZeRO optimiser
+    partition each); None where its optimiser state is not partitioned (ZeRO-0)."""
+    ranks = {int(found.group(1)) for file in (Path(path) / TAG).iterdir()
+             if (found := _OPTIM_PARTITION.search(file.name))}
+    return len(ranks) or None
+
+
+def to_universal(path: str | os.PathLike, output: str | os.PathLike) -> None:
+    """Write DeepSpeed's universal checkpoint of the checkpoint at ``path`` into ``output``:
+    every parameter's weights and optimiser state whole, which an engine on any number of
+    processes loads. DeepSpeed's own converter, run in this process with its reads forced to
+    weights_only and its progress output dropped. Our models declare no tensor or pipeline
+    parallel layout, which ZeRO-1/2's conversion asks for: it is injected as 'none'."""
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    args = argparse.Namespace(input_folder=str(Path(path) / TAG),
+                              output_folder=str(Path(output) / TAG), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)
+    dropped = io.StringIO()
+    with weights_only_loads(path), contextlib.redirect_stdout(dropped), \
+            contextlib.redirect_stderr(dropped):
+        convert(args)
+
+
+@contextlib.contextmanager
+def universal_copy(path: str | os.PathLike, saved: int) -> Iterator[Path]:
+    """The universal form of the checkpoint at ``path`` (written by ``saved`` processes), made
+    by rank 0 in a temporary directory beside it (where every rank can read, as it reads the
+    checkpoint) and removed on leaving. The checkpoint itself is left as it is. Every rank
+    must enter; a failed conversion raises on every rank."""
+    made: list[Any] = [None, None]  # the directory, and the error converting into it
+    if is_main_process():
+        try:
+            made[0] = tempfile.mkdtemp(prefix=f"{UNIVERSAL_PREFIX}{Path(path).name}-",
+                                       dir=Path(path).parent)
+            to_universal(path, made[0])
+        except Exception as error:
+            made[1] = f"{type(error).__name__}: {error}"
+    broadcast_object_list(made)
+    try:
+        if made[1] is not None:
+            raise RuntimeError(
+                f"resume: {path} was written by {saved} processes and this job has "
+                f"{get_world_size()}; converting it to DeepSpeed's universal checkpoint failed "
+                f"({made[1]}); resume on {saved} processes, or start from its weights only "
+                f"with load_from")
+        yield Path(made[0])
+        barrier()  # every rank has read it
+    finally:
+        if is_main_process() and made[0] is not None:
+            shutil.rmtree(made[0], ignore_errors=True)
 
 
 # What DeepSpeed's checkpoint files hold besides tensors and plain containers (0.16 to 0.19):
@@ -499,11 +565,32 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is None:
             raise ValueError(f"{path} is a DeepSpeed checkpoint; resuming it needs training "
                              "(an optimiser)")
-        with weights_only_loads(path):
-            loaded, _ = self.engine.load_checkpoint(path, tag=TAG)
+        saved = saved_world_size(path)
+        if saved is None or saved == get_world_size():
+            self._load_engine(path)
+        else:  # ZeRO's partitions are cut for `saved` processes
+            with universal_copy(path, saved) as universal:
+                self._load_engine(universal, universal=True)
+            if is_main_process():
+                log.info("resume: %s was written by %d processes, this job has %d: loaded "
+                         "through DeepSpeed's universal checkpoint (converted beside it, then "
+                         "removed)", path, saved, get_world_size())
+        return load_state_file(str(Path(path) / TRAIN_STATE))
+
+    def _load_engine(self, path: str | os.PathLike, universal: bool = False) -> None:
+        """The engine's state from the DeepSpeed directory ``path``; ``universal``: one in
+        DeepSpeed's universal form, which the engine reads when its config says so (a setting
+        read only while loading)."""
+        config = self.engine._config
+        before = config.load_universal_checkpoint
+        config.load_universal_checkpoint = universal or before
+        try:
+            with weights_only_loads(path):
+                loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG)
+        finally:
+            config.load_universal_checkpoint = before
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
-        return load_state_file(str(Path(path) / TRAIN_STATE))
 
     def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                               extra: dict[str, Any]) -> Future:

@@ -29,6 +29,6 @@ class PreemptionHook(Hook):
         path = runner.checkpoints.last_saved
         if path is None or path.stem != runner.checkpoint_tag():
             path = runner.save_checkpoint()
-        requeued = [requeue_slurm_job() if is_main_process() else False]
-        broadcast_object_list(requeued)
-        raise Preempted(runner.iter, signal_name, path.name, bool(requeued[0]))
+        requeue = [requeue_slurm_job() if is_main_process() else (False, None)]
+        broadcast_object_list(requeue)
+        raise Preempted(runner.iter, signal_name, path.name, *requeue[0])
