@@ -76,6 +76,8 @@ def read_manifest(checkpoint: Path) -> dict[str, str] | None:
         text = manifest.read_bytes().decode("utf-8")
     except FileNotFoundError:
         return None
+    except OSError as error:
+        raise DamagedCheckpoint(checkpoint, manifest.name, _unreadable(error)) from None
     except UnicodeDecodeError:
         raise DamagedCheckpoint(checkpoint, manifest.name, f"{_BROKEN} (not text)") from None
     lines, _, last = text.rstrip("\n").rpartition("\n")
@@ -94,6 +96,10 @@ def read_manifest(checkpoint: Path) -> dict[str, str] | None:
     return hashes
 
 
+def _unreadable(error: OSError) -> str:
+    return f"unreadable ({error.strerror or error})"
+
+
 def _listed_path(checkpoint: Path, name: str) -> Path:
     return checkpoint / name if checkpoint.is_dir() else checkpoint.with_name(name)
 
@@ -107,7 +113,7 @@ def _first_failure(checkpoint: Path, entries: list[tuple[int, str, str]]
         except FileNotFoundError:
             return index, name, "missing"
         except OSError as error:
-            return index, name, f"unreadable ({error.strerror or error})"
+            return index, name, _unreadable(error)
         if actual != expected:
             return index, name, f"sha256 mismatch (against {manifest_of(checkpoint).name})"
     return None
@@ -123,6 +129,8 @@ def _shares(checkpoint: Path, hashes: dict[str, str], ranks: int
             size = os.stat(_listed_path(checkpoint, name)).st_size
         except FileNotFoundError:
             return index, name, "missing"
+        except OSError as error:
+            return index, name, _unreadable(error)
         sized.append((size, index, name, expected))
     shares: list[list[tuple[int, str, str]]] = [[] for _ in range(ranks)]
     load = [0] * ranks
