@@ -112,6 +112,8 @@ class CrashAfter:
 
     def after_train_iter(self, runner, batch_idx, batch, outputs):
         if runner.iter == self.step:
+            if runner.run_lock is not None:  # a dead process holds no run directory
+                runner.run_lock.release()
             raise Killed(f"killed after step {self.step}")
 
 
