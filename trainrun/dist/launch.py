@@ -304,15 +304,28 @@ def init_dist(
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     set_timeout(timeout)
-    torch_dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{_host_for_url(env.master_addr)}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        **kwargs,
-    )
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if launcher == "pytorch" and restart is not None and "store" not in kwargs:
+        kwargs["store"] = _attempt_store(env, int(restart), timeout)
+    else:
+        kwargs.setdefault("init_method",
+                          f"tcp://{_host_for_url(env.master_addr)}:{env.master_port}")
+    torch_dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                  timeout=timeout, **kwargs)
     check_ranks(env.world_size)
+
+
+def _attempt_store(env: LaunchEnv, attempt: int, timeout: datetime.timedelta
+                   ) -> torch_dist.Store:
+    """The job's store for torchrun's ``attempt`` (its restart count), under a prefix of its
+    own: torchrun (static rendezvous) keeps one store across restarts, where the workers of
+    an earlier attempt left their addresses, and a restarted worker could read one of those
+    and fail to connect to a process that is gone."""
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = torch_dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                                is_master=env.rank == 0 and not agent_hosts, timeout=timeout,
+                                multi_tenant=True)
+    return torch_dist.PrefixStore(f"trainrun/attempt_{attempt}", store)
 
 
 def _host_for_url(host: str) -> str:
