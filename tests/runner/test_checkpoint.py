@@ -19,7 +19,7 @@ from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import CrashAfter, Killed, ToyModel, rehash, write_crafted_checkpoint
 from trainrun.runner import checkpoint as checkpoint_module
 from trainrun.runner import manifest
-from trainrun.runner.checkpoint import CheckpointManager
+from trainrun.runner.checkpoint import CheckpointManager, newest_first
 from trainrun.runner.config import ConfigError
 from trainrun.runner.manifest import verify_checkpoint
 from trainrun.runner.runner import Runner
@@ -27,6 +27,12 @@ from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
 from trainrun.wrappers.base import load_state_file
 
 CPU = torch.device("cpu")
+
+
+def newest(manager: CheckpointManager):
+    """The checkpoint ``last`` names, if it is there."""
+    found = newest_first(manager.directory)
+    return found[0] if found else None
 
 
 def listing(directory: Path) -> list[str]:
@@ -78,7 +84,7 @@ def test_save_writes_under_a_temporary_name_then_publishes(tmp_path, monkeypatch
     assert listing(manager.directory) == [*hashed("iter_1.pth"), "last"]
     assert last_names(manager.directory) == "iter_1.pth"
     assert load_state_file(str(path))["meta"] == {"iter": 1}
-    assert manager.latest() == path
+    assert newest(manager) == path
 
 
 def test_max_keep_prunes_the_oldest_by_step_number(tmp_path):
@@ -108,15 +114,15 @@ def test_keep_all_and_never_prune_the_newest(tmp_path, max_keep, kept):
     for step in (1, 2, 3):
         manager.save(f"iter_{step}", model, optimizer, {})
     assert listing(manager.directory) == [*hashed(*kept), "last"]
-    assert manager.latest() == manager.directory / "iter_3.pth"
+    assert newest(manager) == manager.directory / "iter_3.pth"
 
 
 def test_latest_is_none_until_a_checkpoint_is_published(tmp_path):
     manager, model, optimizer = _manager(tmp_path)
-    assert manager.latest() is None
+    assert newest(manager) is None
     manager.directory.mkdir(parents=True)
     (manager.directory / "last").write_text("iter_9.pth\n")  # names what is not there
-    assert manager.latest() is None
+    assert newest(manager) is None
 
 
 # ---------------------------------------------------------------- crashes
@@ -138,7 +144,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_in_charge(tmp_path
     monkeypatch.undo()
     assert listing(manager.directory) == [".tmp-iter_2.pth", *hashed("iter_1.pth"), "last"]
     assert last_names(manager.directory) == "iter_1.pth"
-    assert manager.latest() == first
+    assert newest(manager) == first
     assert load_state_file(str(first))["meta"] == {"iter": 1}
     manager.clean_partial()
     assert listing(manager.directory) == [*hashed("iter_1.pth"), "last"]
@@ -159,7 +165,7 @@ def test_a_crash_while_publishing_a_resave_keeps_the_old_file(tmp_path, monkeypa
     with pytest.raises(Killed):
         manager.save("iter_4", model, optimizer, {"meta": {"iter": 4, "copy": 2}})
     monkeypatch.undo()
-    latest = manager.latest()
+    latest = newest(manager)
     assert latest == manager.directory / "iter_4.pth"
     assert load_state_file(str(latest))["meta"] == {"iter": 4, "copy": 1}
 

@@ -225,15 +225,6 @@ class CheckpointManager:
         if is_main_process():
             _remove_checkpoint(path)
 
-    def latest(self) -> Path | None:
-        """The checkpoint ``last`` names, if it is there; the same answer on every rank."""
-        found = [None]
-        if is_main_process():
-            candidate = named_by_last(self.directory)
-            found[0] = str(candidate) if candidate is not None and candidate.exists() else None
-        broadcast_object_list(found)
-        return Path(found[0]) if found[0] else None
-
     def _prune(self) -> None:
         if self.max_keep < 0:
             return
