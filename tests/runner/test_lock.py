@@ -23,6 +23,17 @@ def _write_holder(work_dir, **fields) -> Holder:
     return holder
 
 
+def _holds(lock: RunLock) -> bool:
+    """Whether the lock file names ``lock``."""
+    return json.loads(lock.path.read_text())["token"] == lock.holder.token
+
+
+def _renewed_ago(work_dir, seconds: float) -> None:
+    """Make the lock file's lease look last renewed ``seconds`` ago."""
+    when = time.time() - seconds
+    os.utime(work_dir / LOCK_NAME, (when, when))
+
+
 @pytest.fixture
 def sleeper():
     """Another live process on this host."""
@@ -62,11 +73,10 @@ def test_a_holder_on_another_host_is_live_until_its_lease_runs_out(tmp_path):
     _write_holder(tmp_path, host="node-17", pid=1234)
     with pytest.raises(RunDirectoryBusy, match="host node-17, pid 1234"):
         RunLock(tmp_path).acquire()
-    stale = time.time() - lock_module.LEASE_SECONDS - 5
-    os.utime(tmp_path / LOCK_NAME, (stale, stale))
+    _renewed_ago(tmp_path, lock_module.LEASE_SECONDS + 5)
     lock = RunLock(tmp_path)
     lock.acquire()
-    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.holder.token
+    assert _holds(lock)
     lock.release()
 
 
@@ -87,7 +97,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_saying_so(tmp_path, sleeper, c
     message = caplog.records[0].getMessage()
     assert message.startswith(f"work_dir: took over {tmp_path} from host ") and \
         message.endswith(why), message
-    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.holder.token
+    assert _holds(lock)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # nothing left aside
     lock.release()
 
@@ -96,10 +106,10 @@ def test_an_unreadable_lock_file_is_a_job_starting_until_it_is_old(tmp_path):
     (tmp_path / LOCK_NAME).write_text("")
     with pytest.raises(RunDirectoryBusy, match="a job starting right now"):
         RunLock(tmp_path).acquire()
-    old = time.time() - lock_module.RENEW_SECONDS - 5
-    os.utime(tmp_path / LOCK_NAME, (old, old))
+    _renewed_ago(tmp_path, lock_module.RENEW_SECONDS + 5)
     lock = RunLock(tmp_path)
     lock.acquire()
+    assert _holds(lock)
     lock.release()
 
 
@@ -108,7 +118,7 @@ def test_a_runner_of_this_process_hands_its_lock_to_the_next(tmp_path):
     first.acquire()
     second.acquire()  # (a runner never closed, then another on the same directory)
     assert first._stop.is_set() and not second._stop.is_set()
-    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == second.holder.token
+    assert _holds(second)
     first.release()  # no longer its own: left in place
     assert (tmp_path / LOCK_NAME).exists()
     second.release()

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as torch_dist
 
@@ -209,6 +209,18 @@ def _flush_logs() -> None:
             pass
 
 
+def exit_saying(message: str) -> NoReturn:
+    """End this process now with ``message`` as one ERROR line on stderr only: it stopped
+    because the job was lost to it, and the run directory may be another job's by now. A
+    stderr whose reader is gone (a dead launcher held the pipe) does not keep it alive."""
+    try:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR {message}", file=sys.stderr,
+              flush=True)
+    except (OSError, ValueError):  # nobody can be told
+        pass
+    os._exit(EXIT_STOPPED)
+
+
 def _end_process() -> None:
     """End this process now, from the heartbeat thread: the main thread may be stuck in a
     collective that never returns, so no exception could reach it."""
@@ -341,14 +353,8 @@ class Heartbeat:
     def _exit_lost(self, reason: str) -> None:
         """Say why this rank stops, on stderr only (a job that lost its launcher writes
         nothing more into the run directory, which a requeued job may use), and end it."""
-        if self._stop.is_set():
-            return
-        try:
-            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR {self.lost_contact(reason)}",
-                  file=sys.stderr, flush=True)
-        except (OSError, ValueError):  # stderr went to the dead launcher: nobody can be told
-            pass
-        os._exit(EXIT_STOPPED)
+        if not self._stop.is_set():
+            exit_saying(self.lost_contact(reason))
 
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this

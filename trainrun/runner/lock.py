@@ -19,21 +19,21 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainrun.dist.heartbeat import exit_saying
 from trainrun.runner.config import ConfigError
+from trainrun.runner.files import write_atomically
 
 log = logging.getLogger("trainrun")
 
 LOCK_NAME = "run.lock"
 RENEW_SECONDS = 10.0
 LEASE_SECONDS = 60.0  # a lease not renewed for this long belongs to a holder that is gone
-EXIT_LOST = 1
 
 
 class RunDirectoryBusy(ConfigError):
@@ -178,9 +178,7 @@ class RunLock:
 
     def _replace(self) -> None:
         """Write this process's own record over its earlier one."""
-        tmp = self.path.with_name(f".tmp-{LOCK_NAME}-{self.holder.token}")
-        tmp.write_text(json.dumps(asdict(self.holder)), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps(asdict(self.holder)))
 
     def _take_over(self, gone: Holder | None) -> bool:
         """Move the lock file of ``gone`` aside and create ours; False when another job was
@@ -218,15 +216,10 @@ class RunLock:
     def _lost(self, taker: Holder) -> None:
         """Another job took this run directory over (this one looked gone: frozen, or cut
         off from the file system): end now, writing nothing more there."""
-        if self._stop.is_set():
-            return
-        try:
-            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR stopping: {self.path.parent} "
-                  f"was taken over by another job ({taker.describe()}), which found this one "
-                  f"gone; this job writes nothing more there", file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass
-        os._exit(EXIT_LOST)
+        if not self._stop.is_set():
+            exit_saying(f"stopping: {self.path.parent} was taken over by another job "
+                        f"({taker.describe()}), which found this one gone; this job writes "
+                        f"nothing more there")
 
     def release(self) -> None:
         """Stop renewing and remove the lock file, if it is still ours."""
