@@ -278,8 +278,8 @@ def run(cfg: DictConfig, method: str) -> int:
     try:
         from trainrun.runner.runner import Runner
 
-        runner = Runner.from_cfg(cfg)
-        getattr(runner, method)()
+        with Runner.from_cfg(cfg) as runner:  # closed however it ends: see Runner.close
+            getattr(runner, method)()
     except ConfigError as error:  # every rank finds the same: rank 0 says it
         return _usage_error(error) if _rank(cfg) == 0 else EXIT_USAGE
     except Preempted as stop:

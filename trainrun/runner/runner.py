@@ -111,63 +111,68 @@ class Runner:
         self._owns_group = launcher != "none" and not is_distributed()
         if self._owns_group:
             init_dist(launcher, backend, timeout=dist_timeout)
-        self.rank, self.world_size = get_dist_info()
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
-        randomness = {"seed": 42, "deterministic": False, "diff_rank_seed": False,
-                      **(randomness or {})}
-        self.seed = set_random_seed(**randomness)
-        self.resume_from = resume
-        self.stop_signals = list((preemption or {}).get("signals", STOP_SIGNALS))
-        self.load_from = load_from
-        self.work_dir = Path(work_dir)
-        # the console now; train.log (with what was logged before) once the run directory is
-        # made, after everything the config describes was built: a config that cannot be
-        # built leaves no trace on disk
-        self.logger = setup_logging(hold_for_file=self.rank == 0)
-        self._log_restart()
-        self.precision = precision
+        try:  # a config every rank refuses, or a rank's own failure, leaves the group
+            self.rank, self.world_size = get_dist_info()
+            self.device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+            randomness = {"seed": 42, "deterministic": False, "diff_rank_seed": False,
+                          **(randomness or {})}
+            self.seed = set_random_seed(**randomness)
+            self.resume_from = resume
+            self.stop_signals = list((preemption or {}).get("signals", STOP_SIGNALS))
+            self.load_from = load_from
+            self.work_dir = Path(work_dir)
+            # the console now; train.log (with what was logged before) once the run directory is
+            # made, after everything the config describes was built: a config that cannot be
+            # built leaves no trace on disk
+            self.logger = setup_logging(hold_for_file=self.rank == 0)
+            self._log_restart()
+            self.precision = precision
 
-        model = build_model(model) if isinstance(model, Mapping) else model
-        self.train_dataloader = self._loader(train_dataloader, "train")
-        self.val_dataloader = self._loader(val_dataloader, "val")
-        self.test_dataloader = self._loader(test_dataloader, "test")
-        self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader)
-        self.test_metrics = self._metrics(test_metrics, test_dataloader, self.test_dataloader)
+            model = build_model(model) if isinstance(model, Mapping) else model
+            self.train_dataloader = self._loader(train_dataloader, "train")
+            self.val_dataloader = self._loader(val_dataloader, "val")
+            self.test_dataloader = self._loader(test_dataloader, "test")
+            self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader)
+            self.test_metrics = self._metrics(test_metrics, test_dataloader, self.test_dataloader)
 
-        self.strategy = self._strategy(strategy)
-        make_optimizer = optimizer_factory(optim) if isinstance(optim, Mapping) else optim
-        if self.train_dataloader is None:
-            make_optimizer = None
-        optim_cfg = optim if isinstance(optim, Mapping) else {}
-        self.strategy.configure(getattr(self.train_dataloader, "batch_size", None), optim_cfg,
-                                precision)
-        self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
-        self.optim_wrapper = self.strategy.optim_wrapper(self.model, self.optimizer)
-        if self.optimizer is not None and self.optim_wrapper is None:
-            self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
-                                                 self.device.type)
+            self.strategy = self._strategy(strategy)
+            make_optimizer = optimizer_factory(optim) if isinstance(optim, Mapping) else optim
+            if self.train_dataloader is None:
+                make_optimizer = None
+            optim_cfg = optim if isinstance(optim, Mapping) else {}
+            self.strategy.configure(getattr(self.train_dataloader, "batch_size", None), optim_cfg,
+                                    precision)
+            self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
+            self.optim_wrapper = self.strategy.optim_wrapper(self.model, self.optimizer)
+            if self.optimizer is not None and self.optim_wrapper is None:
+                self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
+                                                     self.device.type)
 
-        self._set_schedule(schedule or {"max_epochs": 10})
-        self.schedulers = self._schedulers(scheduler)
+            self._set_schedule(schedule or {"max_epochs": 10})
+            self.schedulers = self._schedulers(scheduler)
 
-        checkpoint = dict(checkpoint or {})
-        self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
-                                             max_keep=checkpoint.get("max_keep", 3))
-        self._intact: set[Path] = set()  # checkpoints verified against their manifests
-        self.start_from = self._start_point()  # damaged: refused before anything is written
-        self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
-        self._prepare_work_dir()
-        self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
-        self.timer = IterTimerHook()
-        self.hooks = self._hooks(hooks, dict(logging or {}), checkpoint,
-                                 (schedule or {}).get("val_interval", 1))
-        self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
-        self.iter = 0  # finished training iterations
-        self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
-        self.training = False
-        self.failed_at_step: int | None = None  # the step training was in when it raised
-        self.train_loop = TrainLoop(self, self.train_dataloader) if self.train_dataloader else None
+            checkpoint = dict(checkpoint or {})
+            self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
+                                                 max_keep=checkpoint.get("max_keep", 3))
+            self._intact: set[Path] = set()  # checkpoints verified against their manifests
+            self.start_from = self._start_point()  # damaged: refused before anything is written
+            self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
+            self._prepare_work_dir()
+            self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
+            self.timer = IterTimerHook()
+            self.hooks = self._hooks(hooks, dict(logging or {}), checkpoint,
+                                     (schedule or {}).get("val_interval", 1))
+            self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
+            self.iter = 0  # finished training iterations
+            self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
+            self.training = False
+            self.failed_at_step: int | None = None  # the step training was in when it raised
+            self.train_loop = TrainLoop(self, self.train_dataloader) \
+                if self.train_dataloader else None
+        except BaseException as error:
+            self._leave_group(error)
+            raise
 
     # ------------------------------------------------------------------ building
 
@@ -522,8 +527,16 @@ class Runner:
 
     # ------------------------------------------------------------------ teardown
 
-    def close(self) -> None:
-        """Drop the model and optimiser, then leave the process group if this runner joined it.
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, exc_type: type | None, error: BaseException | None,
+                 traceback: object) -> None:
+        self.close(error)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Let go of the run directory, drop model and optimiser, then leave the process group
+        if this runner joined it (see `_leave_group`); ``error``: what ended the run, if any.
 
         DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
         """
@@ -532,6 +545,15 @@ class Runner:
             self.run_lock.release()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
         self.strategy.teardown()
+        self._leave_group(error)
+
+    def _leave_group(self, error: BaseException | None) -> None:
+        """Destroy the process group this runner joined, before the interpreter shuts down:
+        a gloo thread that frees a finished collective's tensors after that aborts the process
+        ('terminate called without an active exception'). Not after a failed collective: a
+        collective still waiting on a frozen peer would hold the destroy up for the timeout."""
+        if error is not None and (isinstance(error, PeerFailure) or is_comm_error(error)):
+            return
         gc.collect()
         if self._owns_group and is_distributed():
             torch_dist.destroy_process_group()
