@@ -1,12 +1,12 @@
 """Consolidate a checkpoint of any strategy into one plain state-dict file (see
-`trainrun.runner.export` and the README).
+`trainrun.cli.export` and the README).
 
     python tools/export.py CHECKPOINT OUT [--format safetensors|torch] [--dtype bf16] [--force]
 """
 
 import sys
 
-from trainrun.runner.export import main
+from trainrun.cli.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

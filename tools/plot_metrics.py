@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from trainrun.runner.metrics import Series, read_run
+from trainrun.cli.metrics import Series, read_run
 
 
 def panels(runs: dict[str, tuple[Series, Series]], keys: list[str] | None) -> list[str]:

@@ -1,4 +1,4 @@
-"""Train every point of a hyper-parameter grid and summarise them (see `trainrun.runner.sweep`
+"""Train every point of a hyper-parameter grid and summarise them (see `trainrun.cli.sweep`
 and the README).
 
     python tools/sweep.py CONFIG --grid optim.lr=1e-3,3e-3 model.hidden=64,128
@@ -9,7 +9,7 @@ and the README).
 
 import sys
 
-from trainrun.runner.sweep import sweep_main
+from trainrun.cli.sweep import main
 
 if __name__ == "__main__":
-    sys.exit(sweep_main())
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Train from a YAML config (see `trainrun.runner.cli` and the README).
+"""Train from a YAML config (see `trainrun.cli.train` and the README).
 
     python tools/train.py CONFIG [--launcher {none,pytorch,slurm,mpi}] [--work-dir DIR]
                           [--resume [CKPT]] [--cfg-options key=value ...] [--amp] [--dry-run]
@@ -6,7 +6,7 @@
 
 import sys
 
-from trainrun.runner.cli import train_main
+from trainrun.cli.train import main
 
 if __name__ == "__main__":
-    sys.exit(train_main())
+    sys.exit(main())

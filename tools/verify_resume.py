@@ -1,5 +1,5 @@
 """Check that a config resumes bit for bit: S steps straight against S/2 + SIGKILL + --resume
-to S (see `trainrun.runner.verify_resume` and the README).
+to S (see `trainrun.cli.verify_resume` and the README).
 
     python tools/verify_resume.py CONFIG [--nproc N] [--steps S] [--cfg-options KEY=VALUE ...]
                                   [--work-dir DIR] [--keep]
@@ -7,7 +7,7 @@ to S (see `trainrun.runner.verify_resume` and the README).
 
 import sys
 
-from trainrun.runner.verify_resume import main
+from trainrun.cli.verify_resume import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.procs import free_port
+from trainrun.cli.train import main as train_main
 from trainrun.examples import resolve
 from trainrun.examples.digits import DigitsDataset
 from trainrun.examples.tinylm import CharCorpus
-from trainrun.runner.cli import train_main
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

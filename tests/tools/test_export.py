@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import ToyModel
-from trainrun.runner.export import main, plain_tensors
+from trainrun.cli.export import main, plain_tensors
 from trainrun.runner.runner import Runner
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,18 +16,20 @@ import pytest
 
 from tests.slurm_cluster import client_env
 from tests.tools.test_train_cli import CONFIG, REPO, descendants, env, run, train_records
-from trainrun.runner import sweep as sweep_module
-from trainrun.runner.sweep import (
+from trainrun.cli import sweep as sweep_module
+from trainrun.cli.sweep import (
     Sweep,
     make_points,
     parse_grid,
     prepare,
     short_keys,
     split_values,
-    sweep_main,
     write_manifest,
     write_status,
     write_summary,
+)
+from trainrun.cli.sweep import (
+    main as sweep_main,
 )
 
 SWEEP = REPO / "tools" / "sweep.py"

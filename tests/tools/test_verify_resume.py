@@ -16,7 +16,7 @@ import torch
 from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import rehash
 from tests.tools.test_train_cli import CONFIG, REPO, env, run
-from trainrun.runner import verify_resume as vr
+from trainrun.cli import verify_resume as vr
 
 # ---------------------------------------------------------------- end to end
 

@@ -1,4 +1,4 @@
-"""The command lines of ``tools/train.py`` and ``tools/test.py``.
+"""``trainrun train`` (``tools/train.py``), and what ``trainrun test`` shares with it.
 
 Exit codes: 0 success; 2 a bad config or command line (one line on stderr naming the key or
 argument, no traceback); 1 a failure while running (the traceback, then one line naming the
@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from trainrun.cli.plan import describe_plan, env_rank
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.runner.checks import first_line
@@ -31,7 +32,6 @@ from trainrun.runner.config import (
     load_config,
     saved_config_changes,
 )
-from trainrun.runner.plan import describe_plan, env_rank
 from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -325,7 +325,9 @@ def dry_run(job: Job) -> int:
     return EXIT_OK
 
 
-def _main(prepare: Any, argv: Sequence[str] | None, method: str) -> int:
+def command(prepare: Any, argv: Sequence[str] | None, method: str) -> int:
+    """Prepare the job from ``argv`` with ``prepare``, then dry-run it or call the runner's
+    ``method`` on it; returns the exit code."""
     try:
         job = prepare(argv)
     except SystemExit as exit_:  # argparse: usage errors (2) and --help (0)
@@ -338,11 +340,6 @@ def _main(prepare: Any, argv: Sequence[str] | None, method: str) -> int:
     return run(job.cfg, method)
 
 
-def train_main(argv: Sequence[str] | None = None) -> int:
-    """``tools/train.py``: returns the exit code."""
-    return _main(prepare_train, argv, "train")
-
-
-def test_main(argv: Sequence[str] | None = None) -> int:
-    """``tools/test.py``: returns the exit code."""
-    return _main(prepare_test, argv, "test")
+def main(argv: Sequence[str] | None = None) -> int:
+    """``trainrun train``: returns the exit code."""
+    return command(prepare_train, argv, "train")

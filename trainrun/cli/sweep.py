@@ -25,7 +25,7 @@ Ctrl-C (or SIGTERM) passes SIGTERM to the running point, which writes a checkpoi
 (a second Ctrl-C kills it); the summary is
 written and the sweep exits 130. With ``--launcher slurm`` the unfinished points are submitted
 as one job array (``sweep.sbatch``, written into the sweep dir): array task i runs
-``python -m trainrun.runner.sweep SWEEP_DIR i``, which trains point i with ``srun`` and writes
+``python -m trainrun.cli.sweep SWEEP_DIR i``, which trains point i with ``srun`` and writes
 its status. ``--wait`` waits for the array and writes the summary; without it, run the same
 command with ``--summary-only`` later (a rerun never submits a point whose task is still queued
 or running).
@@ -56,9 +56,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainrun.cli.metrics import Series, read_run
 from trainrun.runner.checks import show
 from trainrun.runner.files import write_atomically
-from trainrun.runner.metrics import Series, read_run
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_PREEMPTED = 75  # tools/train.py after SIGTERM/SIGUSR1: checkpoint written
@@ -565,7 +565,7 @@ def sbatch_script() -> str:
 #SBATCH --requeue
 #SBATCH --signal=USR1@120
 #SBATCH --open-mode=append
-exec {shlex.quote(sys.executable)} -u -m trainrun.runner.sweep "$1" "$SLURM_ARRAY_TASK_ID"
+exec {shlex.quote(sys.executable)} -u -m trainrun.cli.sweep "$1" "$SLURM_ARRAY_TASK_ID"
 """
 
 
@@ -663,10 +663,10 @@ def run_slurm(sweep: Sweep, sbatch_args: str, wait: bool) -> int:
 
 
 def task_main(argv: Sequence[str]) -> int:
-    """An array task: ``python -m trainrun.runner.sweep SWEEP_DIR INDEX`` trains point INDEX
+    """An array task: ``python -m trainrun.cli.sweep SWEEP_DIR INDEX`` trains point INDEX
     of SWEEP_DIR/sweep.json with srun and records its exit code."""
     if len(argv) != 2 or not argv[1].isdigit():
-        print("usage: python -m trainrun.runner.sweep SWEEP_DIR INDEX (a job array task of "
+        print("usage: python -m trainrun.cli.sweep SWEEP_DIR INDEX (a job array task of "
               "tools/sweep.py)", file=sys.stderr)
         return EXIT_USAGE
     manifest = read_manifest(Path(argv[0]))
@@ -878,7 +878,7 @@ def run(sweep: Sweep, args: argparse.Namespace) -> int:
     return code
 
 
-def sweep_main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``tools/sweep.py``: returns the exit code."""
     try:
         args = parser().parse_args(argv)

@@ -1,0 +1,44 @@
+"""The command lines: ``trainrun SUBCOMMAND ...`` (the console script), ``python -m trainrun
+SUBCOMMAND ...``, and the ``tools/*.py`` scripts, each of which runs one subcommand.
+
+Each subcommand is a module here with a ``main(argv) -> exit code``; the runner's core
+(`trainrun.runner`) knows nothing of command lines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module under trainrun.cli, what it does)
+COMMANDS = {
+    "train": ("train", "train from a YAML config"),
+    "test": ("test", "test a checkpoint on the config's test data"),
+    "sweep": ("sweep", "train every point of a hyper-parameter grid and summarise them"),
+    "export": ("export", "consolidate a checkpoint into one plain state-dict file"),
+    "verify-resume": ("verify_resume", "check that a config resumes bit for bit"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return ("usage: trainrun SUBCOMMAND [ARGS ...]   (trainrun SUBCOMMAND --help for its own)\n"
+            "\nsubcommands:\n" + "\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``trainrun SUBCOMMAND ARGS``: run the subcommand's ``main(ARGS)``; returns its exit
+    code (2 for an unknown subcommand)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown subcommand {name!r}; expected one of {', '.join(COMMANDS)}\n"
+              f"{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"trainrun.cli.{COMMANDS[name][0]}")
+    return module.main(rest)
