@@ -132,6 +132,25 @@ def test_the_handler_only_records_and_the_previous_handler_comes_back():
     assert StopRequest().agreed() is None
 
 
+def test_after_a_requeue_the_stop_signals_are_ignored_until_the_process_ends():
+    """SLURM cancels a requeued job's tasks with SIGTERM: the process that requeued it must
+    live on to close the run and say why it stopped (in the CI, SIGTERM killed it first)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        for requeued in (False, True):
+            with pytest.raises(Preempted), stop_signals(["SIGUSR2"]):
+                raise Preempted(3, "SIGUSR2", "iter_3.pth", requeued)
+            now = {s: signal.getsignal(s) for s in before}
+            if requeued:  # SIGTERM too, though it is not among the stop signals here
+                assert now == {**before, signal.SIGTERM: signal.SIG_IGN,
+                               signal.SIGUSR2: signal.SIG_IGN}
+            else:
+                assert now == before
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def test_requeue_needs_a_slurm_job_and_says_why_one_is_not_requeued(monkeypatch, tmp_path):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)

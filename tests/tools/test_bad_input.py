@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.runner.toy import Payload, rehash
-from trainrun.cli.test import main as test_main
+from trainrun.cli import test as test_tool
 from trainrun.cli.train import main as train_main
 from trainrun.runner.config import load_config
 
@@ -191,7 +191,7 @@ def test_the_test_tool_refuses_what_is_no_checkpoint(tmp_path, capfd, clean_env)
     inputs = _make_inputs(tmp_path / "inputs")
     for name, words in [("garbage", ["not a readable checkpoint"]),
                         ("crafted", ["refused", "system"]), ("plain_dir", ["last"])]:
-        code = test_main([str(CONFIG), str(inputs[name]), "--launcher", "none",
+        code = test_tool.main([str(CONFIG), str(inputs[name]), "--launcher", "none",
                           "--work-dir", str(tmp_path / "run")])
         err = capfd.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("error: CHECKPOINT: ")]

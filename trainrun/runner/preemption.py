@@ -110,9 +110,11 @@ def signal_number(name: str) -> signal.Signals:
 @contextmanager
 def stop_signals(names: tuple[str, ...] | list[str] = STOP_SIGNALS) -> Iterator[StopRequest]:
     """Record the signals ``names`` (SIGTERM and SIGUSR1 by default) instead of dying of them,
-    for the duration; the handlers that were there before come back afterwards. Outside the
-    main thread (where Python cannot install handlers) signals keep their previous
-    handling."""
+    for the duration; the handlers that were there before come back afterwards, except after a
+    run that requeued its SLURM job: SLURM then cancels the job's tasks (SIGTERM, SIGKILL
+    after its KillWait, 30 s by default), and this process ignores the SIGTERM and these
+    signals so that it can still close the run and say why it stopped. Outside the main thread
+    (where Python cannot install handlers) signals keep their previous handling."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
@@ -121,6 +123,12 @@ def stop_signals(names: tuple[str, ...] | list[str] = STOP_SIGNALS) -> Iterator[
                 for signum in map(signal_number, names)}
     try:
         yield request
+    except Preempted as stop:
+        if stop.requeued:
+            for signum in {*previous, signal.SIGTERM}:
+                signal.signal(signum, signal.SIG_IGN)
+            previous = {}
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
