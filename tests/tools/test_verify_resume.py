@@ -160,7 +160,7 @@ def test_every_run_gets_the_users_options_between_the_tools(capsys):
             "resume=false"} <= set(options[4:])
     assert cmd[cmd.index("--launcher") + 1] == "pytorch" and "--resume" in cmd
     alone = vr.train_command(vr.make_plan([str(CONFIG)]), Path("/runs/x"))
-    assert alone[:2] == [sys.executable, str(vr.TRAIN)] and "--resume" not in alone
+    assert alone[:4] == [sys.executable, "-m", "trainrun", "train"] and "--resume" not in alone
     assert alone[alone.index("--launcher") + 1] == "none"
 
 

@@ -11,6 +11,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+# what follows the Python interpreter (or torchrun's options) to train with the installed
+# package: ``python -m trainrun train ARGS`` (tools that start training use it, so they work
+# without a checkout of the repository)
+TRAIN = ("-m", "trainrun", "train")
+
 # subcommand -> (module under trainrun.cli, what it does)
 COMMANDS = {
     "train": ("train", "train from a YAML config"),

@@ -20,7 +20,7 @@ rerun skips finished points and trains the others again with ``--resume``, which
 from their newest checkpoint (or starts from the beginning where there is none).
 
 Locally the points train one after another, each in a process of its own:
-``tools/train.py --launcher none``, or with ``--nproc N`` under ``torchrun --standalone``.
+``trainrun train --launcher none``, or with ``--nproc N`` under ``torchrun --standalone``.
 Ctrl-C (or SIGTERM) passes SIGTERM to the running point, which writes a checkpoint and stops
 (a second Ctrl-C kills it); the summary is
 written and the sweep exits 130. With ``--launcher slurm`` the unfinished points are submitted
@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainrun.cli import TRAIN
 from trainrun.cli.metrics import Series, read_run
 from trainrun.runner.checks import show
 from trainrun.runner.files import write_atomically
@@ -63,8 +64,6 @@ from trainrun.runner.files import write_atomically
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_PREEMPTED = 75  # tools/train.py after SIGTERM/SIGUSR1: checkpoint written
 MANIFEST, STATUS, LOG, JOBS = "sweep.json", "sweep_status.json", "sweep.log", "slurm_jobs.txt"
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-TRAIN = TOOLS / "train.py"
 # keys the sweep sets itself for every point
 RESERVED = ("name", "work_dir", "launcher", "resume")
 POLL_S = 1.0  # how often --wait asks squeue
@@ -447,9 +446,9 @@ def local_command(sweep: Sweep, point: Point) -> list[str]:
     args = train_args(sweep.config, sweep.cfg_options, point.overrides, point.work_dir,
                       point_launcher("local", sweep.nproc))
     if sweep.nproc is None:
-        return [sys.executable, str(TRAIN), *args]
+        return [sys.executable, *TRAIN, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(sweep.nproc), str(TRAIN), *args]
+            "--nproc_per_node", str(sweep.nproc), *TRAIN, *args]
 
 
 def start_point(sweep: Sweep, point: Point) -> subprocess.Popen:
@@ -684,7 +683,7 @@ def task_main(argv: Sequence[str]) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     args = train_args(manifest["config"], manifest["cfg_options"], point["overrides"],
                       work_dir, "slurm")
-    cmd = ["srun", "--kill-on-bad-exit=1", sys.executable, "-u", str(TRAIN), *args]
+    cmd = ["srun", "--kill-on-bad-exit=1", sys.executable, "-u", *TRAIN, *args]
     job = os.environ.get("SLURM_ARRAY_JOB_ID", "?")
     say(f"{prefix}: training in job {job}_{index} on {os.environ.get('SLURMD_NODENAME', '?')}")
     started = time.monotonic()
@@ -854,8 +853,8 @@ def dry_run(sweep: Sweep) -> int:
         if sweep.launcher == "local":
             say("    " + shlex.join(local_command(sweep, point)))
     if sweep.launcher == "slurm":
-        say(f"one job array (sbatch --array) of the points to train; each task runs srun "
-            f"{TRAIN.name} --launcher slurm --resume with its point's options")
+        say("one job array (sbatch --array) of the points to train; each task runs srun "
+            "trainrun train --launcher slurm --resume with its point's options")
     return EXIT_OK
 
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainrun.cli import TRAIN
 from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.manifest import is_sidecar
 
 EXIT_EXACT, EXIT_DIFFERENT, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 1, 2, 130
-TRAIN = Path(__file__).resolve().parents[2] / "tools" / "train.py"
 METRICS = "metrics.jsonl"
 POLL_SECONDS = 0.002  # how often the interrupted run's checkpoints/last is looked for
 NOT_COMPARED = ("step", "mode", "time", "data_time")  # wall-clock times differ in every run
@@ -149,8 +149,6 @@ def make_plan(argv: Sequence[str] | None = None) -> Plan:
                         f"{option.split('=', 1)[0].strip()} itself")
     for warning in warnings:
         _say(f"warning: {warning}", err=True)
-    if not TRAIN.is_file():
-        raise ConfigError(f"{TRAIN} not found: this tool runs the repository's tools/train.py")
     return plan
 
 
@@ -164,8 +162,8 @@ def free_port() -> int:
 
 
 def train_command(plan: Plan, run_dir: Path, resume: bool = False) -> list[str]:
-    """tools/train.py for ``run_dir``: alone for one process, else under torchrun."""
-    train = [str(TRAIN), plan.config, "--launcher", plan.launcher, "--work-dir", str(run_dir)]
+    """``trainrun train`` for ``run_dir``: alone for one process, else under torchrun."""
+    train = [*TRAIN, plan.config, "--launcher", plan.launcher, "--work-dir", str(run_dir)]
     if resume:
         train.append("--resume")
     train += ["--cfg-options", *plan.options]
