@@ -1,0 +1,70 @@
+"""trainrun installed as a package (not editable, not from a checkout): the subcommands that
+start training by themselves (sweep, verify-resume) work from anywhere, through the installed
+copy alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHORT = ["schedule.max_epochs=null", "schedule.max_iters=4", "schedule.val_interval=4",
+         "checkpoint.interval=2", "logging.interval=1", "data.train.batch_size=128"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """trainrun built from a copy of the checkout's sources and installed into a directory of
+    its own; the environment that imports it from there (the checkout nowhere on the path)."""
+    root = tmp_path_factory.mktemp("install")
+    source = root / "source"  # a build in the checkout would leave build/ there
+    shutil.copytree(REPO / "trainrun", source / "trainrun",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    target = root / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-build-isolation", "--target", str(target), str(source)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(target), OMP_NUM_THREADS="1")
+    return target, env
+
+
+def trainrun(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainrun", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_installed_package_sweeps_and_verifies_a_resume_outside_the_checkout(
+        installed, tmp_path):
+    target, env = installed
+    config = tmp_path / "digits.yaml"  # the user's own config file, beside nothing of trainrun
+    shutil.copy(REPO / "configs" / "digits_single.yaml", config)
+    where = subprocess.run([sys.executable, "-c", "import trainrun; print(trainrun.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert Path(where.stdout.strip()).is_relative_to(target), where.stdout + where.stderr
+
+    swept = trainrun(env, tmp_path, "sweep", str(config), "--grid", "optim.lr=1e-3,3e-3",
+                     "--work-dir", str(tmp_path / "sweep"), "--cfg-options", *SHORT)
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    points = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(points) == 2
+    for point in points:
+        steps = [json.loads(line).get("step") for line in
+                 (point / "metrics.jsonl").read_text().splitlines()]
+        assert max(steps) == 4, point
+
+    verified = trainrun(env, tmp_path, "verify-resume", str(config), "--steps", "4",
+                        "--cfg-options", "data.train.batch_size=128")
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+    assert not (REPO / "build").exists()
