@@ -299,9 +299,10 @@ def _reduce_dict_body():
              ("lr", 1e-3)]
     data = dict(items if rank % 2 == 0 else reversed(items))  # keys in another order
     mean = dist.all_reduce_dict(data, "mean")
-    summed = dist.all_reduce_dict(data, "sum", to_float=False)
+    assert mean is data  # reduced in place, as MMEngine's is, and returned
+    summed = dist.all_reduce_dict(dict(items), "sum", to_float=False)
     ranks = range(world)
-    assert list(mean) == list(data)
+    assert list(mean) == [k for k, _ in (items if rank % 2 == 0 else reversed(items))]
     assert mean["loss"].dtype == torch.float64  # never narrowed
     exact_loss = sum(0.1 * (r + 1) for r in ranks) / world
     assert mean["loss"].item() == pytest.approx(exact_loss, rel=1e-14)  # summation order varies
@@ -319,8 +320,8 @@ def _reduce_dict_mmengine_example():
     rank = dist.get_rank()
     data = {"key1": torch.arange(2, dtype=torch.int64) + 2 * rank,
             "key2": torch.arange(3, dtype=torch.int64) + 3 * rank}
-    out = dist.all_reduce_dict(data, to_float=False)
-    return {k: v.tolist() for k, v in out.items()}
+    dist.all_reduce_dict(data, to_float=False)  # MMEngine's example reads data afterwards
+    return {k: v.tolist() for k, v in data.items()}
 
 
 def test_all_reduce_dict_matches_mmengine_example(run_on):

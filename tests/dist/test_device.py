@@ -34,9 +34,10 @@ def test_get_data_device_rejects_mixed_empty_and_non_tensors():
         dist.get_data_device([torch.ones(1), meta])
     with pytest.raises(ValueError, match="no tensors"):
         dist.get_data_device([])
-    with pytest.raises(TypeError, match="Tensor"):
+    mmengine_words = "^data should be a Tensor, sequence of tensor or dict"  # theirs first
+    with pytest.raises(TypeError, match=mmengine_words + "; got str: 'text'$"):
         dist.get_data_device([torch.ones(1), "text"])
-    with pytest.raises(TypeError, match="Tensor"):
+    with pytest.raises(TypeError, match=mmengine_words + "; got int: 3$"):
         dist.get_data_device(3)
 
 
@@ -59,5 +60,6 @@ def test_cast_data_device_rejects_mismatched_out():
         dist.cast_data_device({"a": torch.ones(1)}, "cpu", [torch.zeros(1)])
     with pytest.raises(ValueError, match="same keys"):
         dist.cast_data_device({"a": torch.ones(1)}, "cpu", {"b": torch.zeros(1)})
-    with pytest.raises(TypeError, match="Tensor"):
+    with pytest.raises(TypeError, match="^data should be a Tensor, sequence of tensor or dict; "
+                                        "got str: 'text'$"):
         dist.cast_data_device("text", "cpu")

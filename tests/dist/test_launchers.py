@@ -14,13 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests import slurm_cluster
 from tests.slurm_cluster import SlurmCluster, free_port
 from trainrun.dist.launch import slurm_port
 

@@ -22,6 +22,12 @@ def _broadcast_objects_body(src):
     assert torch.equal(big[0], torch.arange(1000) * src) and big[1] == "x" * 100_000
 
 
+def test_broadcast_object_list_refuses_anything_but_a_list_in_one_process_too():
+    for data in ("foo", ("a", "b"), None):
+        with pytest.raises(TypeError, match="^broadcast_object_list fills a list in place; got "):
+            dist.broadcast_object_list(data)
+
+
 @pytest.mark.parametrize("src", [0, 1])
 def test_broadcast_object_list(on_ranks, src):
     on_ranks(_broadcast_objects_body, src)

@@ -9,7 +9,7 @@ return in a process that never joined a group.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed import ProcessGroup, ReduceOp
 
 from trainrun.dist.device import get_comm_device
-from trainrun.dist.info import get_default_group, get_rank, get_world_size, is_distributed
+from trainrun.dist.info import get_default_group, get_rank, get_world_size
 from trainrun.dist.timeouts import named_operation
 
 REDUCE_OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
@@ -70,7 +70,8 @@ def _group(group: ProcessGroup | None) -> ProcessGroup:
 
 
 def _for_comm(data: Tensor, group: ProcessGroup) -> Tensor:
-    """``data`` itself when the backend can use it as it is, else a contiguous copy on its device."""
+    """``data`` itself when the backend can use it as it is, else a contiguous copy on its
+    device."""
     device = get_comm_device(group)
     if data.device == device and data.is_contiguous():
         return data
@@ -139,7 +140,7 @@ def _gather_uneven(data: Tensor, group: ProcessGroup, shapes: list[torch.Size],
     else:
         torch_dist.gather(padded, None, dst=_global_rank(group, dst), group=group)
         return []
-    return [t[: s.numel()].reshape(s).to(data.device) for t, s in zip(out, shapes)]
+    return [t[: s.numel()].reshape(s).to(data.device) for t, s in zip(out, shapes, strict=True)]
 
 
 def _global_rank(group: ProcessGroup, rank: int) -> int:
@@ -172,7 +173,7 @@ def _all_gather_into(tensor_list: list[Tensor], tensor: Tensor,
     group = _group(group)
     same = all(t.shape == tensor.shape and t.device == tensor.device for t in tensor_list)
     if not (same and tensor.device == get_comm_device(group) and tensor.is_contiguous()):
-        for target, gathered in zip(tensor_list, _all_gather(tensor, group)):
+        for target, gathered in zip(tensor_list, _all_gather(tensor, group), strict=False):
             target.copy_(gathered)
         return Handle() if async_op else None
     return _run("all_gather", group, async_op,
@@ -206,15 +207,16 @@ def gather(data: Tensor, *args: Any, **kwargs: Any) -> Any:
 
     Also accepts torch's call shape ``gather(tensor, gather_list, dst, group, async_op)``.
     """
-    torch_shape = "gather_list" in kwargs or (args and (args[0] is None or isinstance(args[0], list)))
+    torch_shape = "gather_list" in kwargs or (
+        args and (args[0] is None or isinstance(args[0], list)))
     if not torch_shape:
         return _gather(data, *args, **kwargs)
     names = ("gather_list", "dst", "group", "async_op")
     params = {"gather_list": None, "dst": 0, "group": None, "async_op": False}
-    params.update(zip(names, args))
+    params.update(zip(names, args, strict=False))  # args may be fewer
     params.update(kwargs)
     gathered = _gather(data, params["dst"], params["group"])
-    for target, value in zip(params["gather_list"] or [], gathered):
+    for target, value in zip(params["gather_list"] or [], gathered, strict=False):
         target.copy_(value)
     return Handle() if params["async_op"] else None
 
@@ -279,11 +281,13 @@ def _dict_value(value: Tensor | float | int, to_float: bool) -> Tensor:
 
 def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
                     group: ProcessGroup | None = None, to_float: bool = True) -> dict:
-    """Reduce every value of a dict in one flat collective per dtype; returns a new dict.
+    """Reduce every value of a dict in one flat collective per dtype, in place (as MMEngine's
+    does: code written for it logs ``data`` afterwards), and return it.
 
     Keys may come in any order on each rank. Tensor values come back as tensors of their
     shape, numbers as numbers. With ``to_float`` integer and bool values are reduced as
-    floats (so 'mean' is exact); floating values always keep their dtype.
+    floats (so 'mean' is exact); floating values always keep their dtype. A mapping that
+    cannot be changed is left as it is; the reduced copy is returned.
     """
     op = reduce_op_name(op)
     keys = sorted(data)
@@ -295,11 +299,16 @@ def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
     for names in by_dtype.values():
         flat = _flatten_dense_tensors([tensors[k].contiguous() for k in names])
         all_reduce(flat, op, group)
-        for key, value in zip(names, _unflatten_dense_tensors(flat, [tensors[k] for k in names])):
+        values = _unflatten_dense_tensors(flat, [tensors[k] for k in names])
+        for key, value in zip(names, values, strict=True):
             reduced[key] = value
-    return OrderedDict(
+    result = OrderedDict(
         (k, reduced[k] if isinstance(data[k], Tensor) else reduced[k].item()) for k in data
     )
+    if not isinstance(data, MutableMapping):
+        return result
+    data.update(result)
+    return data
 
 
 def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_size_mb: int = -1,
@@ -316,7 +325,7 @@ def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_si
     for bucket in _buckets(tensors, bucket_size_mb):
         flat = _flatten_dense_tensors(bucket)
         all_reduce(flat, op, group)
-        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             tensor.copy_(value)
 
 

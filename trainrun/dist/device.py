@@ -15,7 +15,8 @@ _BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu", "cncl": "mlu", "mccl": "musa"}
 
 
 def get_device() -> str:
-    """The accelerator type this process computes on: 'cuda', 'npu', 'mlu', 'musa', 'mps' or 'cpu'."""
+    """The accelerator type this process computes on: 'cuda', 'npu', 'mlu', 'musa', 'mps' or
+    'cpu'."""
     if torch.cuda.is_available():
         return "cuda"
     for name in ("npu", "mlu", "musa"):
@@ -35,6 +36,13 @@ def get_comm_device(group: ProcessGroup | None = None) -> torch.device:
     return torch.device(kind, getattr(torch, kind).current_device())
 
 
+def _not_data(data: Any) -> str:
+    """What is wrong with ``data`` that holds no tensors: MMEngine's words (which code written
+    for it may match), then which value it was."""
+    return (f"data should be a Tensor, sequence of tensor or dict; got "
+            f"{type(data).__name__}: {data!r:.60}")
+
+
 def get_data_device(data: Any) -> torch.device:
     """The one device of a tensor or of a (nested) list/tuple/dict of tensors.
 
@@ -48,9 +56,7 @@ def get_data_device(data: Any) -> torch.device:
     elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
         items = data
     else:
-        raise TypeError(
-            f"data should be a Tensor, a sequence of tensors or a dict of them, got {type(data)}"
-        )
+        raise TypeError(_not_data(data))
     device = None
     for item in items:
         current = get_data_device(item)
@@ -92,9 +98,7 @@ def cast_data_device(data: Any, device: torch.device | str, out: Any = None) -> 
             return type(data)(cast_data_device(item, device) for item in data)
         if len(out) != len(data):
             raise ValueError(f"out has {len(out)} items, data {len(data)}")
-        for item, target in zip(data, out):
+        for item, target in zip(data, out, strict=True):
             cast_data_device(item, device, target)
         return out
-    raise TypeError(
-        f"data should be a Tensor, a sequence of tensors or a dict of them, got {type(data)}"
-    )
+    raise TypeError(_not_data(data))

@@ -81,7 +81,12 @@ def cpu_group() -> ProcessGroup:
 
 
 def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | None = None) -> None:
-    """Replace the items of ``data`` on every rank with ``src``'s, in place, like torch's."""
+    """Replace the items of ``data`` on every rank with ``src``'s, in place, like torch's.
+    Anything but a list is refused, in a single process too (code that passes one would fail
+    only once it runs on several)."""
+    if not isinstance(data, list):
+        raise TypeError(f"broadcast_object_list fills a list in place; got "
+                        f"{type(data).__name__} {data!r:.60}")
     if get_world_size(group) == 1:
         return
     group = _group(group)

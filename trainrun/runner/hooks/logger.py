@@ -60,7 +60,8 @@ class LoggerHook(Hook):
             self._bar.update(1)
         if not (every(runner.iter, self.interval) or runner.iter == runner.max_iters):
             return
-        values = all_reduce_dict(outputs, op="mean")  # every rank takes part
+        # every rank takes part; a copy, so that later hooks see this rank's own outputs
+        values = all_reduce_dict(dict(outputs), op="mean")
         if not is_main_process():
             return
         record = {"step": runner.iter, "epoch": runner.epoch + 1,
