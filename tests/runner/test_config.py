@@ -142,6 +142,36 @@ def test_overrides_can_swap_the_schedule_and_add_a_scheduler(tmp_path):
     assert cfg.scheduler.type == "step" and cfg.scheduler.gamma == 0.1
 
 
+@pytest.mark.parametrize(("in_file", "given", "replaced"), [
+    ("max_epochs: 5", "max_iters=50", "max_epochs"),
+    ("max_iters: 50", "max_epochs=5", "max_iters"),
+])
+def test_a_length_on_the_command_line_replaces_the_files_other_one(tmp_path, in_file, given,
+                                                                   replaced):
+    warnings: list[str] = []
+    cfg = load(tmp_path, MINIMAL + f"schedule: {{{in_file}}}\n", [f"schedule.{given}"],
+               on_warning=warnings.append)
+    key, value = given.split("=")
+    assert cfg.schedule[key] == int(value) and cfg.schedule[replaced] is None
+    assert warnings == [f"schedule.{given} on the command line replaces the config file's "
+                        f"schedule.{replaced} ({in_file.split(': ')[1]})"]
+    # both in the file stay an error, as both on the command line do
+    both = MINIMAL + "schedule: {max_epochs: 5, max_iters: 50}\n"
+    assert "got both max_epochs (5) and max_iters (50)" in error(tmp_path, both)
+    assert "got both" in error(tmp_path, MINIMAL, ["schedule.max_epochs=2",
+                                                   "schedule.max_iters=9"])
+
+
+@pytest.mark.parametrize(("metric", "rule"), [("accuracy", "greater"), ("val_loss", "less"),
+                                              ("Val_Loss", "less"), ("LOSS", "less")])
+def test_the_best_checkpoint_rule_reads_loss_in_any_case(tmp_path, metric, rule):
+    from trainrun.runner.hooks.checkpoint import CheckpointHook
+
+    cfg = load(tmp_path, MINIMAL, [f"checkpoint.save_best={metric}"])
+    assert cfg.checkpoint.best_rule == rule  # what the config fills in, and what the hook
+    assert CheckpointHook(save_best=metric).greater == (rule == "greater")  # alone decides
+
+
 def test_command_line_values_win_over_overrides(tmp_path):
     cfg = load(tmp_path, "launcher: slurm\n" + MINIMAL, ["launcher=mpi"],
                values={"launcher": "pytorch", "work_dir": "out/${name}"})

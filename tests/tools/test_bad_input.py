@@ -102,7 +102,19 @@ CASES = [
      ["strategy.zero_stage", "5"]),
     (["--cfg-options", "optim.lr"], ["optim.lr"]),
     # conflicting settings
-    (["--cfg-options", "schedule.max_iters=100"], ["max_epochs", "max_iters"]),
+    (["--cfg-options", "schedule.max_iters=100", "schedule.max_epochs=3"],
+     ["max_epochs", "max_iters"]),  # both on the command line (one replaces the file's other)
+    # what only importing or building tells, refused by the dry run too
+    (["--cfg-options", "model.type=no.such.Model"], ["model.type", "no.such.Model"]),
+    (["--dry-run", "--cfg-options", "model.type=no.such.Model"], ["model.type", "no.such"]),
+    (["--cfg-options", "data.val.metrics=[acuracy]"],
+     ["data.val.metrics", "did you mean 'accuracy'"]),
+    (["--dry-run", "--cfg-options", "data.val.metrics=[acuracy]"],
+     ["data.val.metrics", "did you mean 'accuracy'"]),
+    (["--cfg-options", "data.train.batch_size=2000", "data.train.drop_last=true"],
+     ["data.train.batch_size", "2000", "1258 samples"]),
+    (["--dry-run", "--cfg-options", "data.train.batch_size=2000", "data.train.drop_last=true"],
+     ["data.train.batch_size", "2000", "1258 samples"]),
     (["--cfg-options", "strategy.type=deepspeed", "checkpoint.async=true"],
      ["checkpoint.async", "deepspeed"]),
     (["--cfg-options", "scheduler.type=cosine", "scheduler.warmup_iters=5000"],

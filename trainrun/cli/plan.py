@@ -6,7 +6,6 @@ is initialised and nothing is written.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainrun.dist import get_device
 from trainrun.dist.launch import STARTERS, resolve_backend
+from trainrun.runner.sampler import batches_per_epoch
 
 # The variables each launcher announces the world size and this process's rank in.
 WORLD_SIZE_VARS = {"pytorch": ("WORLD_SIZE",), "slurm": ("SLURM_NTASKS",),
@@ -46,14 +46,6 @@ def env_rank(launcher: str) -> int:
     """This process's rank as ``launcher``'s variables announce it (0 when they do not)."""
     found = _env_int(RANK_VARS.get(launcher, ()))
     return found[0] if found else 0
-
-
-def steps_per_epoch(dataset_length: int, world_size: int, batch_size: int,
-                    drop_last: bool) -> int:
-    """Iterations per epoch on each rank: a DistributedSampler pads the data set to a multiple
-    of the world size, then each rank's share is cut into batches."""
-    per_rank = math.ceil(dataset_length / world_size)
-    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
 
 
 def _show(value: Any) -> str:
@@ -104,7 +96,7 @@ def _unit(schedule: Mapping[str, Any], count: int) -> str:
 def _steps(cfg: Mapping[str, Any], world_size: int, dataset_length: int | None) -> str:
     train, schedule = cfg["data"]["train"], cfg["schedule"]
     accumulate = cfg["optim"]["accumulate"]
-    per_epoch = None if dataset_length is None else steps_per_epoch(
+    per_epoch = None if dataset_length is None else batches_per_epoch(
         dataset_length, world_size, train["batch_size"], train["drop_last"])
     if schedule["max_iters"] is not None:
         total = schedule["max_iters"]

@@ -21,9 +21,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trainrun.cli.plan import describe_plan, env_rank
+from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
+from trainrun.runner.builder import check_batches, check_types
 from trainrun.runner.checks import first_line
 from trainrun.runner.config import (
     LAUNCHERS,
@@ -198,6 +199,7 @@ def prepare_train(argv: Sequence[str] | None = None) -> Job:
         values["precision"] = amp_precision()
     warnings: list[str] = []
     cfg = load_config(args.config, args.cfg_options, values=values, on_warning=warnings.append)
+    check_types(cfg)
     _check_work_dir(cfg)
     for key in ("resume", "load_from"):
         if isinstance(cfg[key], str):
@@ -222,6 +224,7 @@ def prepare_test(argv: Sequence[str] | None = None) -> Job:
     warnings: list[str] = []
     cfg = load_config(args.config, args.cfg_options, values=values, mode="test",
                       on_warning=warnings.append)
+    check_types(cfg)
     _check_launcher(cfg)
     _check_backend(cfg)
     return Job(cfg, warnings + _launcher_warnings(cfg))
@@ -316,9 +319,17 @@ def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
 
 
 def dry_run(job: Job) -> int:
-    """Print the plan (rank 0 only); nothing is initialised or written."""
+    """Print the plan (rank 0 only); nothing is initialised or written. A training set that
+    leaves no batch is refused (exit 2), as the run would refuse it."""
     if _rank(job.cfg) == 0:
         length, why = train_set_length(job.cfg)
+        if length is not None:
+            train = job.cfg.data.train
+            try:
+                check_batches("data.train", length, env_world_size(job.cfg.launcher)[0],
+                              train.batch_size, train.drop_last)
+            except ConfigError as error:
+                return _usage_error(error)
         print(describe_plan(job.cfg, dataset_length=length))
         if why:
             print(f"  (train set size unknown: {why})")

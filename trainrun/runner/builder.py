@@ -16,7 +16,7 @@ from trainrun.runner.config import ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
 from trainrun.runner.sample_seeds import SeededSamples
-from trainrun.runner.sampler import ResumableSampler
+from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
 from trainrun.runner.seed import seed_worker
 from trainrun.wrappers.base import Optimizers
 
@@ -89,10 +89,48 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     )
 
 
-def build_metrics(cfg: Mapping[str, Any] | None, dataset: Any) -> list[BaseMetric]:
-    """The metrics a val/test section names, else those its data set declares."""
+def _resolved(key: str, kind: str, name: str) -> Any:
+    """``resolve(kind, name)``, its error a ConfigError naming ``key``."""
+    try:
+        return resolve(kind, name)
+    except ValueError as error:
+        raise ConfigError(f"{key}: {error}") from None
+
+
+def build_metrics(cfg: Mapping[str, Any] | None, dataset: Any,
+                  key: str = "data") -> list[BaseMetric]:
+    """The metrics a val/test section (the config's ``key``) names, else those its data set
+    declares."""
     names = list((cfg or {}).get("metrics") or getattr(dataset, "DEFAULT_METRICS", []))
-    return [resolve("metric", name)() for name in names]
+    return [_resolved(f"{key}.metrics", "metric", name)() for name in names]
+
+
+def check_types(cfg: Mapping[str, Any]) -> None:
+    """Import every class the config names (model, data sets, metrics) without building any,
+    so that a misspelt or missing one is a ConfigError naming its key before anything runs."""
+    _resolved("model.type", "model", cfg["model"]["type"])
+    for split, section in (cfg.get("data") or {}).items():
+        if not section:
+            continue
+        _resolved(f"data.{split}.type", "dataset", section["type"])
+        for name in section.get("metrics") or []:
+            _resolved(f"data.{split}.metrics", "metric", name)
+
+
+def check_batches(key: str, dataset_length: int, world_size: int, batch_size: int,
+                  drop_last: bool) -> None:
+    """A ConfigError naming ``key`` when its data set leaves no batch for a rank to train on
+    (a batch larger than each rank's share, with drop_last; or no data)."""
+    if batches_per_epoch(dataset_length, world_size, batch_size, drop_last) > 0:
+        return
+    if dataset_length == 0:
+        raise ConfigError(f"{key}: the training set is empty: there is nothing to train on")
+    share = -(-dataset_length // world_size)
+    ranks = f", {share} per process on {world_size} processes" if world_size > 1 else ""
+    raise ConfigError(f"{key}.batch_size: got {batch_size}, more than the {dataset_length} "
+                      f"samples of the training set{ranks}; with drop_last: true no batch is "
+                      f"left to train on: set batch_size to at most {share}, or drop_last "
+                      f"to false")
 
 
 def optimizer_factory(cfg: Mapping[str, Any]) -> Any:

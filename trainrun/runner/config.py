@@ -415,6 +415,12 @@ def check_logging(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     return out
 
 
+def best_rule_for(metric: str) -> str:
+    """Whether a higher value of ``metric`` is better ('greater') or a lower one ('less': a
+    loss, however it is spelt), where the config does not say."""
+    return "less" if "loss" in metric.lower() else "greater"
+
+
 def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     out = fields(key, value, {
         "interval": (1, integer(0)),
@@ -430,7 +436,7 @@ def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any
             warnings.append(f"{key}.best_rule is ignored without {key}.save_best")
             out["best_rule"] = None
     elif out["best_rule"] is None:
-        out["best_rule"] = "less" if "loss" in out["save_best"].lower() else "greater"
+        out["best_rule"] = best_rule_for(out["save_best"])
     return out
 
 
@@ -602,6 +608,26 @@ def resolve(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(_omegaconf_message(error)) from None
 
 
+def _length_from_command_line(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The run's length set on the command line (``schedule.max_iters=N`` or
+    ``schedule.max_epochs=N``) replaces the other one where only the file sets it: the command
+    line is the later intention. Changes ``cfg``; returns the warning that says so. Both on
+    the command line, or both in the file, stay an error (`check_schedule`)."""
+    lengths = ("max_epochs", "max_iters")
+    given = {key for override in overrides for key in lengths
+             if OmegaConf.select(parse_override(override), f"schedule.{key}") is not None}
+    if len(given) != 1:
+        return []
+    (key,) = given
+    (other,) = (k for k in lengths if k != key)
+    dropped = OmegaConf.select(cfg, f"schedule.{other}")
+    if dropped is None:
+        return []
+    cfg.schedule[other] = None
+    return [f"schedule.{key}={cfg.schedule[key]} on the command line replaces the config "
+            f"file's schedule.{other} ({dropped})"]
+
+
 def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
                 values: Mapping[str, Any] | None = None, mode: str = "train",
                 on_warning: Callable[[str], None] | None = None) -> DictConfig:
@@ -612,10 +638,13 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
     instead of data.train. Warnings go to ``on_warning`` (default: the 'trainrun' logger).
     Raises ConfigError with one line naming the key.
     """
-    cfg = apply_overrides(read_yaml(path), list(overrides), values)
+    overrides = list(overrides)
+    cfg = apply_overrides(read_yaml(path), overrides, values)
     if cfg.get("name", None) is None:
         cfg["name"] = Path(path).stem
+    replaced = _length_from_command_line(cfg, overrides)
     checked, warnings = check(resolve(cfg), mode)
+    warnings = [*replaced, *warnings]
     for warning in warnings:
         (on_warning or log.warning)(warning)
     return OmegaConf.create(checked)

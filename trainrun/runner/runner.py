@@ -41,6 +41,7 @@ from trainrun.runner.builder import (
     build_dataloader,
     build_metrics,
     build_model,
+    check_batches,
     optimizer_factory,
     wrap_optimizers,
 )
@@ -133,8 +134,11 @@ class Runner:
             self.train_dataloader = self._loader(train_dataloader, "train")
             self.val_dataloader = self._loader(val_dataloader, "val")
             self.test_dataloader = self._loader(test_dataloader, "test")
-            self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader)
-            self.test_metrics = self._metrics(test_metrics, test_dataloader, self.test_dataloader)
+            self._check_batches(train_dataloader)
+            self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader,
+                                             "data.val")
+            self.test_metrics = self._metrics(test_metrics, test_dataloader,
+                                              self.test_dataloader, "data.test")
 
             self.strategy = self._strategy(strategy)
             make_optimizer = optimizer_factory(optim) if isinstance(optim, Mapping) else optim
@@ -263,12 +267,21 @@ class Runner:
         return build_dataloader(loader, self.seed, split == "train", key=f"data.{split}")
 
     def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
-                 loader: DataLoader | None) -> list[BaseMetric]:
+                 loader: DataLoader | None, key: str) -> list[BaseMetric]:
         if metrics is not None:
             return list(metrics)
         if loader is None:
             return []
-        return build_metrics(section if isinstance(section, Mapping) else None, loader.dataset)
+        return build_metrics(section if isinstance(section, Mapping) else None, loader.dataset,
+                             key)
+
+    def _check_batches(self, section: Any) -> None:
+        """A training set the config describes that leaves no batch is refused (every rank
+        finds the same) before the run directory is written."""
+        loader = self.train_dataloader
+        if isinstance(section, Mapping) and loader is not None and len(loader) == 0:
+            check_batches("data.train", len(loader.dataset), self.world_size,
+                          loader.batch_size, loader.drop_last)
 
     @staticmethod
     def _strategy(strategy: str | Mapping[str, Any] | Strategy) -> Strategy:

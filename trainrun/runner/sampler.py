@@ -21,6 +21,14 @@ from trainrun.dist import get_dist_info
 from trainrun.runner.sample_seeds import sample_seed
 
 
+def batches_per_epoch(dataset_length: int, world_size: int, batch_size: int,
+                      drop_last: bool) -> int:
+    """Batches per epoch on each rank: the data set is padded to a multiple of the world size
+    (as torch's DistributedSampler does), then each rank's share is cut into batches."""
+    per_rank = math.ceil(dataset_length / world_size)
+    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+
+
 class ResumableSampler(Sampler[int | tuple[int, int]]):
     """Indices of one rank's share of ``dataset_len`` samples, from ``cursor`` onwards; with
     ``sample_seeds``, ``(index, sample_seed(seed, epoch, index))`` pairs."""

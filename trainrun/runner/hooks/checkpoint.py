@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainrun.runner.config import best_rule_for
 from trainrun.runner.hooks.base import Hook, every
 from trainrun.runner.logging import get_logger
 
@@ -20,7 +21,7 @@ class CheckpointHook(Hook):
         self.background = background  # periodic saves written while training goes on
         self.save_last = save_last
         self.save_best = save_best
-        self.greater = (best_rule == "greater") if best_rule else "loss" not in (save_best or "")
+        self.greater = (best_rule or best_rule_for(save_best or "")) == "greater"
         self.best_value: float | None = None
         self.best_path: str | None = None
         self._saved_at: int | None = None
