@@ -490,19 +490,15 @@ def test_crafted_checkpoints_are_refused_by_every_runner_path(tmp_path):
     evil = tmp_path / "evil.pth"
     write_crafted_checkpoint(evil, marker)
 
-    runner = _runner(tmp_path / "explicit", resume=str(evil))
-    with pytest.raises(pickle.UnpicklingError):
-        runner.train()
+    for key, start in (("resume", {"resume": str(evil)}), ("load_from", {"load_from": str(evil)})):
+        with pytest.raises(ConfigError, match=f"^{key}: .*evil.pth: refused to load: it holds "):
+            _runner(tmp_path / key, **start)  # refused before anything is written
+        assert not (tmp_path / key).exists()
+    runner = _runner(tmp_path / "explicit")
     with pytest.raises(pickle.UnpicklingError):
         runner.resume(evil)
     with pytest.raises(pickle.UnpicklingError):
         runner.load_weights(evil)
-    runner.close()
-    assert not marker.exists()
-
-    runner = _runner(tmp_path / "load_from", load_from=str(evil))
-    with pytest.raises(pickle.UnpicklingError):
-        runner.train()
     runner.close()
     assert not marker.exists()
 
@@ -511,9 +507,7 @@ def test_crafted_checkpoints_are_refused_by_every_runner_path(tmp_path):
     checkpoints.mkdir(parents=True)
     write_crafted_checkpoint(checkpoints / "iter_2.pth", marker, raw_pickle=True)
     (checkpoints / "last").write_text("iter_2.pth\n")
-    runner = _runner(tmp_path / "latest", resume=True)
-    with pytest.raises(pickle.UnpicklingError):
-        runner.train()
-    runner.close()
+    with pytest.raises(ConfigError, match="^resume: .*iter_2.pth: refused to load"):
+        _runner(tmp_path / "latest", resume=True)
     assert not marker.exists()
     assert not (tmp_path / "explicit" / "metrics.jsonl").exists()  # nothing trained

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from tests.runner.toy import Payload, rehash
 from trainrun.cli import test as test_tool
 from trainrun.cli.train import main as train_main
+from trainrun.examples.digits import DigitsMLP
 from trainrun.runner.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,10 @@ def _make_inputs(root: Path) -> dict[str, Path]:
     data = bytearray(files["damaged"].read_bytes())
     data[data.find(struct.pack("<f", 0.5) * 64) + 100] ^= 0xFF
     files["damaged"].write_bytes(bytes(data))
+    files["other_model"] = root / "hidden_32.pth"  # the shipped config's MLP, 32 units wide
+    torch.save({"model": DigitsMLP(hidden=32).state_dict()}, files["other_model"])
+    files["truncated"] = root / "truncated.pth"
+    files["truncated"].write_bytes(files["other_model"].read_bytes()[:3000])
     files["plain_dir"] = root / "not_a_checkpoint"
     files["plain_dir"].mkdir()
     (files["plain_dir"] / "notes.txt").write_text("hello")
@@ -126,6 +131,12 @@ CASES = [
     (["--resume", "{plain_dir}"], ["resume", "not_a_checkpoint", "last"]),
     (["--resume", "{dangling}"], ["resume", "iter_9.pth"]),
     (["--cfg-options", "load_from={garbage}"], ["load_from", "garbage.pth"]),
+    (["--cfg-options", "load_from={other_model}"],
+     ["load_from: ", "hidden_32.pth was written by another model: net.0.weight has shape "
+      "[32, 64] there, the model's [256, 64]"]),
+    (["--resume", "{other_model}", "--force"],  # the config check let through
+     ["resume: ", "hidden_32.pth was written by another model"]),
+    (["--resume", "{truncated}"], ["resume: ", "truncated.pth is truncated"]),
     (["--resume", "{damaged}", "--cfg-options", "model.hidden=64"],  # the run's own config
      ["resume: ", "damaged.pth is damaged: damaged.pth: sha256 mismatch (against "
       "damaged.pth.sha256)"]),

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import threading
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,11 +50,17 @@ from trainrun.wrappers.base import (
 )
 from trainrun.wrappers.deepspeed import (
     TAG,
+    deepspeed_model_shapes,
     deepspeed_weights,
     is_deepspeed_checkpoint,
     weights_only_loads,
 )
-from trainrun.wrappers.fsdp import check_metadata, is_sharded_checkpoint, sharded_model_weights
+from trainrun.wrappers.fsdp import (
+    check_metadata,
+    is_sharded_checkpoint,
+    sharded_model_shapes,
+    sharded_model_weights,
+)
 
 LAST = "last"
 _STEP = re.compile(r"^(epoch|iter)_(\d+)")
@@ -337,12 +344,54 @@ def _look_inside(path: Path) -> None:
         guard = weights_only_loads(path)
     with guard:
         for file in files:
-            try:
-                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as error:
-                if "mmap" not in str(error):  # else an older (non-zip) torch file: read it
-                    raise
-                torch.load(file, map_location="cpu", weights_only=True)
+            _load_mapped(file)
+
+
+def _load_mapped(file: Path) -> Any:
+    """A torch file's contents with its tensors memory-mapped (their data is not read); a
+    file cut short says so."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, OSError) as error:
+        if _cut_short(file):
+            raise ValueError(f"{file} is truncated: a torch file whose end is missing (its "
+                             f"write did not finish, or the copy was cut short)") from None
+        if not isinstance(error, RuntimeError) or "mmap" not in str(error):
+            raise
+    return torch.load(file, map_location="cpu", weights_only=True)  # an older, non-zip file
+
+
+def _cut_short(file: Path) -> bool:
+    """Whether ``file`` begins as a zip archive (what torch writes) but has no end."""
+    with open(file, "rb") as f:
+        begins = f.read(4) == b"PK\x03\x04"
+    return begins and not zipfile.is_zipfile(file)
+
+
+def model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the model's state in the checkpoint ``path``, plain keys,
+    from what the format records about them (the tensors themselves are not read)."""
+    if is_deepspeed_checkpoint(path):
+        return deepspeed_model_shapes(path)
+    if is_sharded_checkpoint(path):
+        return sharded_model_shapes(path)
+    with refusing_unsafe(path):
+        state = _load_mapped(path)
+    model = state.get("model", state)
+    return {key: tuple(value.shape) for key, value in model.items() if isinstance(value, Tensor)}
+
+
+def model_mismatch(model: dict[str, tuple[int, ...]],
+                   checkpoint: dict[str, tuple[int, ...]]) -> str | None:
+    """The first tensor of ``model`` (name -> shape) that the checkpoint's do not fit, said in
+    words, or None when every one fits."""
+    for key, shape in model.items():
+        if key not in checkpoint:
+            return f"the model's {key} is not in it"
+        if checkpoint[key] != shape:
+            return (f"{key} has shape {list(checkpoint[key])} there, the model's "
+                    f"{list(shape)}")
+    return None
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:

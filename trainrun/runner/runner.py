@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -49,10 +50,13 @@ from trainrun.runner.checkpoint import (
     CheckpointManager,
     checkpoints_in,
     is_checkpoint,
+    model_mismatch,
+    model_shapes,
     newest_intact,
     read_weights,
     resolve_checkpoint,
 )
+from trainrun.runner.checks import first_line
 from trainrun.runner.config import LAUNCH_KEYS, ConfigError, saved_config_changes
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.files import write_atomically
@@ -131,6 +135,7 @@ class Runner:
             self.precision = precision
 
             model = build_model(model) if isinstance(model, Mapping) else model
+            shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
             self.train_dataloader = self._loader(train_dataloader, "train")
             self.val_dataloader = self._loader(val_dataloader, "val")
             self.test_dataloader = self._loader(test_dataloader, "test")
@@ -161,6 +166,7 @@ class Runner:
                                                  max_keep=checkpoint.get("max_keep", 3))
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
             self.start_from = self._start_point()  # damaged: refused before anything is written
+            self._check_fits(shapes)  # another model's: the same
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
             self._prepare_work_dir()
             self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
@@ -469,6 +475,21 @@ class Runner:
                 raise ConfigError(f"load_from: {error}") from None
             return "load", self._verified("load_from", path)
         return None
+
+    def _check_fits(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """A checkpoint to start from that another model wrote (a tensor missing, or of
+        another shape, against ``shapes``, the model's) is a ConfigError naming the first, read
+        from the checkpoint's records of its tensors."""
+        if self.start_from is None:
+            return
+        kind, path = self.start_from
+        key = "resume" if kind == "resume" else "load_from"
+        try:
+            mismatch = model_mismatch(shapes, model_shapes(path))
+        except (OSError, ValueError, pickle.UnpicklingError) as error:  # unreadable, or unsafe
+            raise ConfigError(f"{key}: {first_line(error)}") from None
+        if mismatch is not None:
+            raise ConfigError(f"{key}: {path} was written by another model: {mismatch}")
 
     def _verified(self, key: str, path: Path) -> Path:
         """``path``, once verified against its manifest (once per runner); a damaged one is a

@@ -274,6 +274,25 @@ def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
 
 
+def deepspeed_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter and buffer of the model in a ZeRO checkpoint directory,
+    read from rank 0's model-states file (memory-mapped: its tensors are not read). ZeRO-3
+    keeps empty placeholders in ``module``; the shapes DeepSpeed records are the whole ones."""
+    files = sorted((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
+    with weights_only_loads(path):
+        state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for group in [*(state.get("param_shapes") or []), state.get("frozen_param_shapes") or {}]:
+        shapes.update((name, tuple(size)) for name, size in group.items())
+    for name, source in (state.get("shared_params") or {}).items():
+        if source in shapes:
+            shapes[name] = shapes[source]
+    module = state.get("module") or {}
+    shapes.update((name, tuple(module[name].shape)) for name in state.get("buffer_names") or []
+                  if name in module)
+    return shapes
+
+
 def share_fp32_master(zero_optimizer: Any) -> int:
     """Under ZeRO-3 with fp32 parameters, make each fp32 master partition share the memory
     of the parameter partition it copies; returns the bytes freed per rank.

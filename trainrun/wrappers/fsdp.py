@@ -250,6 +250,15 @@ def sharded_model_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     return model
 
 
+def sharded_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """The shape of every model tensor in a sharded checkpoint directory, plain keys, read
+    from its metadata alone."""
+    metadata = check_metadata(path)
+    return {key.removeprefix("model."): tuple(entry.size)
+            for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(entry, "size")}
+
+
 def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
     """A sharded checkpoint directory as one plain state (full tensors; the runner's train
     state merged in), read in this process alone: for ``load_from`` under any strategy."""
