@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from trainrun.cli.metrics import Series, read_run
+from trainrun.runner.files import replacing
 
 
 def panels(runs: dict[str, tuple[Series, Series]], keys: list[str] | None) -> list[str]:
@@ -54,10 +55,8 @@ def plot(runs: dict[str, tuple[Series, Series]], titles: list[str], out: Path) -
     for axis in list(axes.flat)[len(titles):]:
         axis.set_visible(False)
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")  # a cut file never replaces a good one
-    figure.savefig(tmp, dpi=110)
-    tmp.replace(out)
+    with replacing(out) as tmp:  # a cut file never replaces a good one
+        figure.savefig(tmp, dpi=110)  # (the format follows the suffix, which tmp keeps)
     plt.close(figure)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
+from trainrun.runner.files import replacing
 from trainrun.runner.manifest import verify_checkpoint
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -76,18 +77,14 @@ def plain_tensors(state: dict[str, object], dtype: torch.dtype | None = None) ->
 
 
 def write(tensors: dict[str, Tensor], out: Path, fmt: str, metadata: dict[str, str]) -> None:
-    """Write ``tensors`` to ``out`` through a temporary file in the same directory."""
-    tmp = out.with_name(f".tmp-{out.name}")
-    try:
+    """Write ``tensors`` to ``out`` durably, never leaving half a file under its name."""
+    with replacing(out) as tmp:
         if fmt == "safetensors":
             from safetensors.torch import save_file
 
             save_file(tensors, str(tmp), metadata=metadata)
         else:
             torch.save(tensors, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | None = None,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"  # what a write in progress is called; a crash may leave one behind
@@ -18,14 +20,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` under a temporary name, on disk, then rename it to ``path`` (making its
-    directory if need be): a reader sees the old file or the new one, never half of one."""
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary name beside ``path`` to write the new file to; once the block ends, the
+    file is made durable (fsync) and renamed to ``path``: a reader, or a crash, finds the old
+    file or the new one, never half of one. A block that raises leaves ``path`` as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(TMP_PREFIX + path.name)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through `replacing`."""
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
