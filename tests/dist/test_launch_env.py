@@ -331,3 +331,21 @@ def test_named_operation_leaves_other_errors_alone() -> None:
         with named_operation("all_reduce"):
             raise RuntimeError("Connection closed by peer")
     assert not isinstance(info.value, DistTimeoutError)
+
+
+@pytest.mark.parametrize(("text", "relabelled"), [
+    ("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 3000ms for recv "
+     "operation to complete", True),
+    ("[../gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure", True),
+    ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, "
+     "OpType=ALLREDUCE) ran for 600042 milliseconds before timing out.", True),
+    ("my_dataset: connect timeout reading s3://bucket/shard-7", False),  # not the collective's
+    ("Timeouts must be positive", False),
+])
+def test_only_a_backends_own_timeout_is_relabelled(text: str, relabelled: bool) -> None:
+    with pytest.raises(RuntimeError) as info:
+        with named_operation("all_reduce"):
+            raise RuntimeError(text)
+    assert isinstance(info.value, DistTimeoutError) == relabelled
+    if relabelled:
+        assert str(info.value).startswith("all_reduce timed out after ")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,17 +49,20 @@ def get_timeout() -> datetime.timedelta:
     return _timeout
 
 
-def _looks_like_timeout(exc: BaseException) -> bool:
-    """Whether a backend error is a timeout, from its text (torch has no timeout error type).
+# What the backends say when a collective runs out of time (torch has no timeout error type):
+# gloo (torch 2.13) "[...unbound_buffer.cc:129] Timed out waiting 3000ms for send operation to
+# complete" (or "recv"), then "Application timeout caused pair closure" for every later
+# collective of that group; NCCL's watchdog "Watchdog caught collective operation timeout:
+# WorkNCCL(...) ran for 600000 milliseconds before timing out". A peer that exited gives
+# "Connection closed by peer", which is not a timeout; nor is any other text with "timeout".
+_TIMEOUT_TEXTS = re.compile(r"timed out waiting \d+ ?ms for \w+ operation|application "
+                            r"timeout caused pair closure|collective operation timeout|"
+                            r"milliseconds before timing out", re.IGNORECASE)
 
-    gloo (torch 2.13) raises a plain RuntimeError "[...unbound_buffer.cc:129] Timed out waiting
-    3000ms for send operation to complete" (or "recv"), then "Application timeout caused pair
-    closure" for every later collective of that group; NCCL's watchdog raises DistBackendError
-    (a RuntimeError) saying "...timeout". A peer that exited gives "Connection closed by peer",
-    which is not a timeout.
-    """
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text or "time out" in text
+
+def _looks_like_timeout(exc: BaseException) -> bool:
+    """Whether a backend error says that its collective timed out."""
+    return _TIMEOUT_TEXTS.search(str(exc)) is not None
 
 
 @contextmanager

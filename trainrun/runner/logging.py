@@ -50,8 +50,37 @@ def setup_logging(log_file: Path | None = None, hold_for_file: bool = False) -> 
     return logger
 
 
+class LogFile(logging.FileHandler):
+    """train.log. A record it cannot write (a full disk, a quota) is said in one line on
+    stderr, once, instead of logging's traceback block for every record; the console still
+    gets every record."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        if self.failed or error is None:
+            return
+        self.failed = True
+        stream, self.stream = self.stream, None  # what it holds cannot be written either
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
+        try:
+            print(f"warning: cannot write {self.baseFilename}: {error}; its records go to the "
+                  f"console only from now on", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # stderr is gone too
+            pass
+
+
 def _file_handler(path: Path) -> logging.FileHandler:
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = LogFile(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     return handler
 
