@@ -249,7 +249,10 @@ def _run_logging_body(work_dir):
 
 
 def test_a_run_logs_the_loss_averaged_over_ranks(run_on, tmp_path):
+    """With diff_rank_seed the ranks' losses differ; rank 0 alone logs their mean (the test
+    that test_runner.py had of this asserted nothing of the mean)."""
     own0, own1 = run_on(2)(_run_logging_body, str(tmp_path))
+    assert [p.name for p in tmp_path.glob("metrics.jsonl*")] == ["metrics.jsonl"]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line)["loss"] for line in lines if '"mode"' not in line]
     assert len(logged) == 3 and own0 != own1

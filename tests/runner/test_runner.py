@@ -66,18 +66,6 @@ def test_run_directory_and_metrics(run_on, tmp_path):
         "epoch_2.pth", "epoch_2.pth.sha256", "last"]
 
 
-def _loss_mean_body(work_dir):
-    _runner(work_dir, max_iters=4, val=False, diff_rank_seed=True).train()
-    return dist.get_rank()
-
-
-def test_logged_loss_is_the_mean_over_ranks(run_on, tmp_path):
-    """With diff_rank_seed the ranks' dropout differs; the logged loss is their mean."""
-    run_on(2)(_loss_mean_body, str(tmp_path))
-    assert len(_train_losses(tmp_path)) == 4
-    assert not (tmp_path / "metrics.jsonl.1").exists()
-
-
 def _resume_body(work_dir, crash_step, checkpoint):
     try:
         _runner(work_dir, max_iters=24, checkpoint=checkpoint,

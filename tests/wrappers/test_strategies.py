@@ -27,6 +27,7 @@ from trainrun.wrappers import (
     BaseModel,
     DDPStrategy,
     DeepSpeedStrategy,
+    FSDPStrategy,
     MMDistributedDataParallel,
     MMSeparateDistributedDataParallel,
     SeparateDDPStrategy,
@@ -50,8 +51,9 @@ def sgd(module: nn.Module) -> torch.optim.Optimizer:
 
 def test_registry_names_every_strategy_class():
     expected = {"none": SingleDeviceStrategy, "ddp": DDPStrategy,
-                "separate_ddp": SeparateDDPStrategy, "deepspeed": DeepSpeedStrategy}
-    assert {name: STRATEGIES.get(name) for name in expected} == expected
+                "separate_ddp": SeparateDDPStrategy, "deepspeed": DeepSpeedStrategy,
+                "fsdp": FSDPStrategy}
+    assert STRATEGIES == expected  # every one, and no other
     for name, cls in STRATEGIES.items():
         assert cls.name == name
 
