@@ -112,9 +112,9 @@ class LostHeartbeat(Heartbeat):
             self._stop.set()
 
 
-def _lost(store, launcher=None, training=True):
-    heartbeat = LostHeartbeat(store, 1, 2, silent_after=0.6, prefix="t", launcher=launcher,
-                              training=training)
+def _lost(store, launcher=None, training=True, silent_after=0.6):
+    heartbeat = LostHeartbeat(store, 1, 2, silent_after=silent_after, prefix="t",
+                              launcher=launcher, training=training)
     heartbeat.lost, heartbeat.since = [], time.monotonic()
     heartbeat._thread.start()  # start() would beat first, from this thread
     heartbeat._guard.start()
@@ -127,7 +127,7 @@ def test_a_store_that_blocks_ends_the_rank_after_the_timeout():
     dist.at_step(12)
     dist.at_checkpoint("iter_10.pth", 10)
     seconds, message = _lost(BlockedStore())
-    assert 0.6 <= seconds < 2, seconds
+    assert 0.6 <= seconds < 5, seconds  # (the upper bound leaves a loaded machine seconds)
     assert message == ("rank 1: stopping: no answer from the job's store at 10.0.0.1:29500 for "
                        "1 s: its host froze, or the network between this node and it is "
                        "down, so the other ranks cannot be reached either; step 11 is lost "
@@ -141,10 +141,10 @@ def test_a_store_that_refuses_ends_the_rank_within_seconds_whatever_the_timeout(
     heartbeat_gone = Heartbeat.GONE_AFTER
     Heartbeat.GONE_AFTER = 0.3
     try:
-        seconds, message = _lost(RefusingStore())
+        seconds, message = _lost(RefusingStore(), silent_after=10)
     finally:
         Heartbeat.GONE_AFTER = heartbeat_gone
-    assert seconds < 0.6 + 0.2  # before the timeout: a dead store is not a slow one
+    assert seconds < 5  # long before the 10 s timeout: a dead store is not a slow one
     assert message == ("rank 1: stopping: the job's store at 10.0.0.1:29500 is gone "
                        "(Connection reset by peer): its host or the launcher hosting it died; "
                        "the 30 steps trained are lost (no checkpoint yet); --resume starts "
@@ -154,8 +154,9 @@ def test_a_store_that_refuses_ends_the_rank_within_seconds_whatever_the_timeout(
 def test_a_rank_whose_launcher_died_stops(monkeypatch):
     monkeypatch.setattr(heartbeat_module, "_PARENT", -5)  # not this process's parent
     dist.at_step(None)
-    seconds, message = _lost(torch_dist.HashStore(), launcher="torchrun", training=False)
-    assert seconds < 0.5
+    seconds, message = _lost(torch_dist.HashStore(), launcher="torchrun", training=False,
+                             silent_after=10)
+    assert seconds < 5  # at the guard's next look, long before any timeout
     assert message == "rank 1: stopping: its launcher (torchrun, pid -5) is gone"
 
 

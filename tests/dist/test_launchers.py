@@ -209,7 +209,8 @@ def test_collective_timeout_names_the_operation(tmp_path: Path) -> None:
     assert waited["error"] == "DistTimeoutError", waited
     assert "all_reduce" in waited["message"]
     assert "timed out after 3 s" in waited["message"]
-    assert 2.5 < waited["elapsed"] < 15  # it waited for the timeout, and not much longer
+    # it waited for the timeout, and not much longer (a loaded 2-core machine takes seconds)
+    assert 2.5 < waited["elapsed"] < 30
 
 
 def test_pytorch_launcher_without_torchrun_fails_fast() -> None:

@@ -102,8 +102,8 @@ def test_a_failing_rank_stops_every_rank_at_once_with_its_error(tmp_path):
     started = time.monotonic()
     done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path),
                         "--cfg-options", *SHORT, "model.type=tests.tools.models.FailingDigitsMLP",
-                        "model.fail_at=3", "model.fail_rank=1", "dist_timeout=60"))
-    assert time.monotonic() - started < 40  # nobody waited for the 60 s timeout
+                        "model.fail_at=3", "model.fail_rank=1", "dist_timeout=120"))
+    assert time.monotonic() - started < 60  # nobody waited for the 120 s timeout
     assert done.returncode != 0
     assert "rank 1, step 3: RuntimeError: injected failure" in done.stderr, done.stderr[-3000:]
     # rank 0 says once why the job stopped, without a traceback of its own
