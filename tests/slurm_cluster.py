@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from trainrun.dist.launch import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scontrol",
             "scancel")
 START_TIMEOUT_S = 30.0
@@ -35,13 +37,6 @@ END_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAI
 
 class SlurmUnavailable(RuntimeError):
     """SLURM cannot run here; the message says why (tests skip with it)."""
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def slurm_conf(root: Path, host: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:

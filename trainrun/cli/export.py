@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
 from trainrun.runner.files import replacing
 from trainrun.runner.manifest import verify_checkpoint
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 FORMATS = ("safetensors", "torch")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")

@@ -58,11 +58,10 @@ from typing import Any
 
 from trainrun.cli import TRAIN
 from trainrun.cli.metrics import Series, read_run
+from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.runner.checks import show
 from trainrun.runner.files import write_atomically
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_PREEMPTED = 75  # tools/train.py after SIGTERM/SIGUSR1: checkpoint written
 MANIFEST, STATUS, LOG, JOBS = "sweep.json", "sweep_status.json", "sweep.log", "slurm_jobs.txt"
 # keys the sweep sets itself for every point
 RESERVED = ("name", "work_dir", "launcher", "resume")

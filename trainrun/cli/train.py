@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
+from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.runner.builder import check_batches, check_types
 from trainrun.runner.checks import first_line
@@ -33,9 +34,7 @@ from trainrun.runner.config import (
     load_config,
     saved_config_changes,
 )
-from trainrun.runner.preemption import EXIT_PREEMPTED, Preempted
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from trainrun.runner.preemption import Preempted
 
 
 @dataclass

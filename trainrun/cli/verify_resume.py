@@ -22,7 +22,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.cli import TRAIN
+from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from trainrun.dist.launch import free_port
 from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.manifest import is_sidecar
 
-EXIT_EXACT, EXIT_DIFFERENT, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 1, 2, 130
+EXIT_EXACT, EXIT_DIFFERENT = EXIT_OK, EXIT_FAILED  # this tool's verdicts
 METRICS = "metrics.jsonl"
 POLL_SECONDS = 0.002  # how often the interrupted run's checkpoints/last is looked for
 NOT_COMPARED = ("step", "mode", "time", "data_time")  # wall-clock times differ in every run
@@ -153,13 +154,6 @@ def make_plan(argv: Sequence[str] | None = None) -> Plan:
 
 
 # ---------------------------------------------------------------- processes
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for torchrun's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def train_command(plan: Plan, run_dir: Path, resume: bool = False) -> list[str]:
     """``trainrun train`` for ``run_dir``: alone for one process, else under torchrun."""

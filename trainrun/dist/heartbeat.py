@@ -37,9 +37,10 @@ from typing import Any, NoReturn
 
 import torch.distributed as torch_dist
 
+from trainrun.dist.exits import EXIT_FAILED
+
 log = logging.getLogger("trainrun")
 
-EXIT_STOPPED = 1  # the exit code of a rank the heartbeat stops: a failure, like any other
 
 
 # ---------------------------------------------------------------- this rank's place
@@ -218,14 +219,14 @@ def exit_saying(message: str) -> NoReturn:
               flush=True)
     except (OSError, ValueError):  # nobody can be told
         pass
-    os._exit(EXIT_STOPPED)
+    os._exit(EXIT_FAILED)
 
 
 def _end_process() -> None:
     """End this process now, from the heartbeat thread: the main thread may be stuck in a
     collective that never returns, so no exception could reach it."""
     _flush_logs()
-    os._exit(EXIT_STOPPED)
+    os._exit(EXIT_FAILED)
 
 
 class _LockedStore:

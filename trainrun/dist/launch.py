@@ -92,6 +92,14 @@ def pytorch_env(**_: Any) -> LaunchEnv:
     )
 
 
+def free_port() -> int:
+    """A TCP port nobody on this machine listens on right now (for a rendezvous this process
+    starts: torchrun's, or a test's)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def slurm_port(port: int | str | None = None) -> int:
     """``port``, else MASTER_PORT, else one derived from SLURM_JOB_ID, else 29500.
 

@@ -7,7 +7,7 @@ boundaries (about every quarter of a second) the ranks agree through one small a
 that record, so all of them stop after the same step even when the signal reached only some;
 then a checkpoint is written, a
 SLURM job requeues itself where ``scontrol`` allows it, and `Preempted` ends the run (exit
-code `EXIT_PREEMPTED` from the command line).
+code `trainrun.dist.exits.EXIT_PREEMPTED` from the command line).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ log = logging.getLogger("trainrun")
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")  # the default of preemption.signals
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped on request; resume (or requeued) to go on
 
 
 class Preempted(Exception):  # noqa: N818 - a stop, not an error
