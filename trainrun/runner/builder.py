@@ -12,16 +12,13 @@ from torch.utils.data import DataLoader
 
 from trainrun.examples import resolve
 from trainrun.runner.checks import first_line
-from trainrun.runner.config import ConfigError
+from trainrun.runner.config import LOADER_KEYS, WRAPPER_KEYS, ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
 from trainrun.runner.seed import seed_worker
 from trainrun.wrappers.base import Optimizers
-
-LOADER_OPTIONS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory",
-                  "persistent_workers")
 
 
 def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -67,7 +64,7 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     streams, which checkpoints save.
     """
     name, options = _split(cfg)
-    loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
+    loader = {option: options.pop(option) for option in LOADER_KEYS if option in options}
     options.pop("metrics", None)
     dataset = construct(key, "dataset", name, options)
     shuffle = loader.pop("shuffle", train)
@@ -136,27 +133,37 @@ def check_batches(key: str, dataset_length: int, world_size: int, batch_size: in
 def optimizer_factory(cfg: Mapping[str, Any]) -> Any:
     """A function building the optimiser(s) of ``cfg`` over a module: one, or one per
     submodule named in ``per_module`` (each with its own overrides)."""
-    common = {k: v for k, v in cfg.items()
-              if k not in ("clip_grad", "accumulate", "per_module") and v is not None}
+    common = {k: v for k, v in cfg.items() if k not in WRAPPER_KEYS and v is not None}
     per_module = cfg.get("per_module")
 
     def make(module: nn.Module) -> Optimizers:
         if not per_module:
             return build_optimizer(module.parameters(), common)
         return {name: build_optimizer(getattr(module, name).parameters(),
-                                      {**common, **dict(overrides or {})})
+                                      {**common, **_own(overrides)})
                 for name, overrides in per_module.items()}
 
     return make
 
 
+def _own(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A submodule's overrides that are its optimiser's (not its wrapper's clip_grad or
+    accumulate)."""
+    return {k: v for k, v in (overrides or {}).items() if k not in WRAPPER_KEYS}
+
+
 def wrap_optimizers(optimizer: Optimizers, cfg: Mapping[str, Any], precision: str,
                     device_type: str) -> OptimWrapper | OptimWrapperDict:
-    def wrap(one: torch.optim.Optimizer) -> OptimWrapper:
-        return OptimWrapper(one, accumulate=cfg.get("accumulate", 1),
-                            clip_grad=cfg.get("clip_grad"), precision=precision,
+    """Each optimiser in its wrapper; one of ``per_module`` gets that submodule's clip_grad
+    and accumulate where it overrides them."""
+    def wrap(one: torch.optim.Optimizer, overrides: Mapping[str, Any] | None) -> OptimWrapper:
+        options = {**cfg, **(overrides or {})}
+        return OptimWrapper(one, accumulate=options.get("accumulate", 1),
+                            clip_grad=options.get("clip_grad"), precision=precision,
                             device_type=device_type)
 
     if isinstance(optimizer, Mapping):
-        return OptimWrapperDict({name: wrap(opt) for name, opt in optimizer.items()})
-    return wrap(optimizer)
+        per_module = cfg.get("per_module") or {}
+        return OptimWrapperDict({name: wrap(opt, per_module.get(name))
+                                 for name, opt in optimizer.items()})
+    return wrap(optimizer, None)

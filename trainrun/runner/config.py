@@ -370,23 +370,6 @@ def check_optim_section(key: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def optimizer_kwargs(optim_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """What `build_optimizer` takes: type, lr, weight_decay and the optimiser's own arguments
-    (lists become tuples, e.g. betas), without the wrapper's clip_grad/accumulate/per_module."""
-    plain = _to_plain(optim_cfg)
-    return {k: tuple(v) if isinstance(v, list) else v
-            for k, v in plain.items() if k not in WRAPPER_KEYS}
-
-
-def per_module_optim(optim_cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """{submodule: its full optim section (shared keys with its overrides)}; {} without
-    per_module. Each value suits `optimizer_kwargs` and carries its clip_grad/accumulate."""
-    plain = _to_plain(optim_cfg)
-    shared = {k: v for k, v in plain.items() if k != "per_module"}
-    return {name: {**shared, **(overrides or {})}
-            for name, overrides in (plain.get("per_module") or {}).items()}
-
-
 # ---------------------------------------------------------------- other sections
 
 def check_schedule(key: str, value: Any) -> dict[str, Any]:
@@ -650,18 +633,6 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
     return OmegaConf.create(checked)
 
 
-def validate_config(cfg: DictConfig | dict[str, Any], *, mode: str = "train") -> list[str]:
-    """Check ``cfg`` and complete it in place (resolved, defaults filled, ignored strategy
-    options dropped); returns the warnings. Raises ConfigError."""
-    plain = resolve(cfg) if isinstance(cfg, DictConfig) else _to_plain(cfg)
-    checked, warnings = check(plain, mode)
-    for key in list(cfg):
-        del cfg[key]
-    for key, value in checked.items():
-        cfg[key] = value
-    return warnings
-
-
 # How a run's processes are started and where it starts from: not the run itself (a job
 # begun under torchrun may go on under srun).
 LAUNCH_KEYS = ("launcher", "backend", "dist_timeout", "resume", "load_from", "work_dir")
@@ -721,16 +692,3 @@ def dataset_kwargs(section: Mapping[str, Any]) -> dict[str, Any]:
     """A data section without type, loader options and metrics: the data set's arguments."""
     return {k: v for k, v in _to_plain(section).items()
             if k not in ("type", "metrics", *LOADER_KEYS)}
-
-
-def loader_kwargs(section: Mapping[str, Any]) -> dict[str, Any]:
-    """A data section's DataLoader options."""
-    plain = _to_plain(section)
-    return {k: plain[k] for k in LOADER_KEYS if k in plain}
-
-
-def to_yaml(cfg: DictConfig | Mapping[str, Any]) -> str:
-    """The config as YAML, resolved (for ``work_dir/config.yaml``)."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(dict(cfg))
-    return OmegaConf.to_yaml(cfg, resolve=True)
