@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from trainrun.examples import resolve
 from trainrun.runner.checks import first_line
-from trainrun.runner.config import LOADER_KEYS, WRAPPER_KEYS, ConfigError
+from trainrun.runner.config import DEFAULT_BATCH_SIZE, LOADER_KEYS, WRAPPER_KEYS, ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
 from trainrun.runner.sample_seeds import SeededSamples
@@ -75,7 +75,7 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
         dataset = SeededSamples(dataset)
     return DataLoader(
         dataset,
-        batch_size=loader.get("batch_size", 32),
+        batch_size=loader.get("batch_size", DEFAULT_BATCH_SIZE),
         sampler=sampler,
         num_workers=num_workers,
         drop_last=loader.get("drop_last", False) and train,

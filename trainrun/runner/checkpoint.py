@@ -32,6 +32,7 @@ from trainrun.dist import (
     get_rank,
     is_main_process,
 )
+from trainrun.runner.config import DEFAULT_MAX_KEEP
 from trainrun.runner.files import TMP_PREFIX, fsync_dir, write_atomically
 from trainrun.runner.manifest import (
     DamagedCheckpoint,
@@ -106,7 +107,7 @@ class CheckpointManager:
     """Saves through ``strategy`` into ``directory``, keeping at most ``max_keep`` periodic
     checkpoints (-1: all); the newest and the best are never pruned."""
 
-    def __init__(self, directory: Path, strategy: Strategy, max_keep: int = 3,
+    def __init__(self, directory: Path, strategy: Strategy, max_keep: int = DEFAULT_MAX_KEEP,
                  suffix: str = ".pth"):
         self.directory = directory
         self.strategy = strategy

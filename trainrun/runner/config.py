@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.optim import Optimizer
 
+from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.runner.checks import closest, is_int, is_number, show
 from trainrun.runner.optim import PRECISIONS
 from trainrun.runner.preemption import STOP_SIGNALS, signal_number
@@ -42,6 +43,13 @@ LOADER_KEYS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory"
 # optim keys that are the optimiser wrapper's, not the optimiser's
 WRAPPER_KEYS = ("clip_grad", "accumulate", "per_module")
 SEED_LIMIT = 2**31
+# The defaults the schema below fills in; a Runner built from objects, without a config, falls
+# back to the same ones (runner.py, builder.py and checkpoint.py read them here).
+DEFAULT_SEED = 42
+DEFAULT_MAX_EPOCHS = 10
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_MAX_KEEP = 3  # checkpoints kept
+DEFAULT_DIST_TIMEOUT = int(DEFAULT_TIMEOUT.total_seconds())  # seconds: dist's (30 min)
 # Names people write for a known key; used for "did you mean" when difflib finds nothing.
 ALIASES = {
     "learning_rate": "lr", "base_lr": "lr", "wd": "weight_decay", "grad_clip": "clip_grad",
@@ -225,7 +233,7 @@ MODEL = expects("a mapping with a 'type'", section({"type": (REQUIRED, TYPE_NAME
 def loader_table(split: str) -> Fields:
     table: Fields = {
         "type": (REQUIRED, TYPE_NAME),
-        "batch_size": (32, integer(1)),
+        "batch_size": (DEFAULT_BATCH_SIZE, integer(1)),
         "num_workers": (0, integer(0)),
         "shuffle": (split == "train", BOOL),
         "drop_last": (False, BOOL),
@@ -382,7 +390,7 @@ def check_schedule(key: str, value: Any) -> dict[str, Any]:
         raise ConfigError(f"{key}: got both max_epochs ({out['max_epochs']}) and max_iters "
                           f"({out['max_iters']}), expected exactly one")
     if out["max_epochs"] is None and out["max_iters"] is None:
-        out["max_epochs"] = 10
+        out["max_epochs"] = DEFAULT_MAX_EPOCHS
     return out
 
 
@@ -407,7 +415,7 @@ def best_rule_for(metric: str) -> str:
 def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     out = fields(key, value, {
         "interval": (1, integer(0)),
-        "max_keep": (3, rule("an int >= 1, or -1 to keep all",
+        "max_keep": (DEFAULT_MAX_KEEP, rule("an int >= 1, or -1 to keep all",
                              lambda v: is_int(v) and (v >= 1 or v == -1))),
         "save_last": (True, BOOL),
         "save_best": (None, nullable(TEXT)),
@@ -458,7 +466,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "work_dir": (None, nullable(TEXT)),
         "launcher": ("none", choice(*LAUNCHERS)),
         "backend": ("auto", choice(*BACKENDS)),
-        "dist_timeout": (1800, number(above=0)),
+        "dist_timeout": (DEFAULT_DIST_TIMEOUT, number(above=0)),
         "strategy": (None, partial(check_strategy, warnings=warnings)),
         "model": (REQUIRED, MODEL),
         "data": (REQUIRED, partial(check_data, mode=mode, warnings=warnings)),
@@ -467,7 +475,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "precision": ("fp32", choice(*PRECISIONS)),
         "schedule": (None, check_schedule),
         "randomness": (None, section({
-            "seed": (42, nullable(integer(0, SEED_LIMIT))),
+            "seed": (DEFAULT_SEED, nullable(integer(0, SEED_LIMIT))),
             "deterministic": (False, BOOL),
             "diff_rank_seed": (False, BOOL),
         })),

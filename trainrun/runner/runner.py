@@ -57,7 +57,15 @@ from trainrun.runner.checkpoint import (
     resolve_checkpoint,
 )
 from trainrun.runner.checks import first_line
-from trainrun.runner.config import LAUNCH_KEYS, ConfigError, saved_config_changes
+from trainrun.runner.config import (
+    DEFAULT_DIST_TIMEOUT,
+    DEFAULT_MAX_EPOCHS,
+    DEFAULT_MAX_KEEP,
+    DEFAULT_SEED,
+    LAUNCH_KEYS,
+    ConfigError,
+    saved_config_changes,
+)
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.files import write_atomically
 from trainrun.runner.hooks import (
@@ -109,7 +117,7 @@ class Runner:
         load_from: str | None = None,
         launcher: str = "none",
         backend: str = "auto",
-        dist_timeout: float = 1800,
+        dist_timeout: float = DEFAULT_DIST_TIMEOUT,
         cfg: Any = None,
     ):
         self.cfg = cfg
@@ -120,7 +128,7 @@ class Runner:
             self.rank, self.world_size = get_dist_info()
             self.device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
-            randomness = {"seed": 42, "deterministic": False, "diff_rank_seed": False,
+            randomness = {"seed": DEFAULT_SEED, "deterministic": False, "diff_rank_seed": False,
                           **(randomness or {})}
             self.seed = set_random_seed(**randomness)
             self.resume_from = resume
@@ -158,12 +166,13 @@ class Runner:
                 self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
                                                      self.device.type)
 
-            self._set_schedule(schedule or {"max_epochs": 10})
+            self._set_schedule(schedule or {"max_epochs": DEFAULT_MAX_EPOCHS})
             self.schedulers = self._schedulers(scheduler)
 
             checkpoint = dict(checkpoint or {})
-            self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
-                                                 max_keep=checkpoint.get("max_keep", 3))
+            self.checkpoints = CheckpointManager(
+                self.work_dir / "checkpoints", self.strategy,
+                max_keep=checkpoint.get("max_keep", DEFAULT_MAX_KEEP))
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
             self.start_from = self._start_point()  # damaged: refused before anything is written
             self._check_fits(shapes)  # another model's: the same
@@ -213,7 +222,7 @@ class Runner:
             load_from=plain.get("load_from"),
             launcher=plain.get("launcher", "none"),
             backend=plain.get("backend", "auto"),
-            dist_timeout=plain.get("dist_timeout", 1800),
+            dist_timeout=plain.get("dist_timeout", DEFAULT_DIST_TIMEOUT),
             cfg=cfg,
         )
 
@@ -302,7 +311,7 @@ class Runner:
         self.by_epoch = schedule.get("max_iters") is None
         steps_per_epoch = len(self.train_dataloader) if self.train_dataloader else 0
         if self.by_epoch:
-            self.max_epochs = schedule.get("max_epochs") or 10
+            self.max_epochs = schedule.get("max_epochs") or DEFAULT_MAX_EPOCHS
             self.max_iters = self.max_epochs * steps_per_epoch
         else:
             self.max_iters = schedule["max_iters"]
