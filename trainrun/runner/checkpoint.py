@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import threading
-import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,26 +41,8 @@ from trainrun.runner.manifest import (
     verify_checkpoint,
     write_manifest,
 )
-from trainrun.wrappers.base import (
-    TRAIN_STATE,
-    Optimizers,
-    Strategy,
-    load_state_file,
-    refusing_unsafe,
-)
-from trainrun.wrappers.deepspeed import (
-    TAG,
-    deepspeed_model_shapes,
-    deepspeed_weights,
-    is_deepspeed_checkpoint,
-    weights_only_loads,
-)
-from trainrun.wrappers.fsdp import (
-    check_metadata,
-    is_sharded_checkpoint,
-    sharded_model_shapes,
-    sharded_model_weights,
-)
+from trainrun.wrappers import checkpoint_format  # (the package: every strategy loaded)
+from trainrun.wrappers.base import Optimizers, Strategy
 
 LAST = "last"
 _STEP = re.compile(r"^(epoch|iter)_(\d+)")
@@ -249,8 +230,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a checkpoint itself (a file, or a strategy's directory), not a
     directory holding checkpoints."""
     path = Path(path)
-    return path.exists() and (not path.is_dir() or is_sharded_checkpoint(path)
-                              or is_deepspeed_checkpoint(path))
+    return path.exists() and (not path.is_dir() or checkpoint_format(path) is not Strategy)
 
 
 def checkpoints_in(path: str | os.PathLike) -> Path | None:
@@ -336,50 +316,13 @@ def check_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def _look_inside(path: Path) -> None:
-    if is_sharded_checkpoint(path):
-        check_metadata(path)
-        return
-    files, guard = [path], refusing_unsafe(path)
-    if is_deepspeed_checkpoint(path):
-        files = [path / TRAIN_STATE, *sorted((path / TAG).glob("*mp_rank_00_model_states.pt"))]
-        guard = weights_only_loads(path)
-    with guard:
-        for file in files:
-            _load_mapped(file)
-
-
-def _load_mapped(file: Path) -> Any:
-    """A torch file's contents with its tensors memory-mapped (their data is not read); a
-    file cut short says so."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, OSError) as error:
-        if _cut_short(file):
-            raise ValueError(f"{file} is truncated: a torch file whose end is missing (its "
-                             f"write did not finish, or the copy was cut short)") from None
-        if not isinstance(error, RuntimeError) or "mmap" not in str(error):
-            raise
-    return torch.load(file, map_location="cpu", weights_only=True)  # an older, non-zip file
-
-
-def _cut_short(file: Path) -> bool:
-    """Whether ``file`` begins as a zip archive (what torch writes) but has no end."""
-    with open(file, "rb") as f:
-        begins = f.read(4) == b"PK\x03\x04"
-    return begins and not zipfile.is_zipfile(file)
+    checkpoint_format(path).look_inside(path)
 
 
 def model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of the model's state in the checkpoint ``path``, plain keys,
-    from what the format records about them (the tensors themselves are not read)."""
-    if is_deepspeed_checkpoint(path):
-        return deepspeed_model_shapes(path)
-    if is_sharded_checkpoint(path):
-        return sharded_model_shapes(path)
-    with refusing_unsafe(path):
-        state = _load_mapped(path)
-    model = state.get("model", state)
-    return {key: tuple(value.shape) for key, value in model.items() if isinstance(value, Tensor)}
+    from what its format records about them (the tensors themselves are not read)."""
+    return checkpoint_format(path).model_shapes(path)
 
 
 def model_mismatch(model: dict[str, tuple[int, ...]],
@@ -399,9 +342,4 @@ def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The model's whole state, plain keys, from a checkpoint of any strategy (a file, a
     sharded directory or a DeepSpeed directory), read in this process with no group."""
     path = resolve_checkpoint(path)
-    if is_deepspeed_checkpoint(path):
-        return deepspeed_weights(path)
-    if is_sharded_checkpoint(path):
-        return sharded_model_weights(path)
-    state = load_state_file(str(path))
-    return state.get("model", state)
+    return checkpoint_format(path).read_weights(path)

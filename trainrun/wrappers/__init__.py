@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.nn.parallel import DistributedDataParallel
-
-from trainrun.wrappers.base import Strategy
+from trainrun.wrappers.base import Strategy, checkpoint_format
 from trainrun.wrappers.base_model import BaseModel, parse_losses
 from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
 from trainrun.wrappers.deepspeed import DeepSpeedStrategy
@@ -34,21 +32,8 @@ def build_strategy(name: str, **options: Any) -> Strategy:
 
 
 def is_model_wrapper(model: Any) -> bool:
-    """True for trainrun's wrappers and torch's own DDP and FSDP (both generations)."""
-    if isinstance(model, (DistributedDataParallel, MMSeparateDistributedDataParallel,
-                          MMFullyShardedDataParallel)):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # very old torch
-        return False
-    return isinstance(model, (FullyShardedDataParallel, FSDPModule)) or _is_deepspeed_engine(model)
-
-
-def _is_deepspeed_engine(model: Any) -> bool:
-    """Checked by class name, so that DeepSpeed is never imported just to ask."""
-    return any(cls.__name__ in ("DeepSpeedEngine", "MMDeepSpeedEngineWrapper")
-               for cls in type(model).__mro__)
+    """Whether ``model`` is a registered strategy's wrapper (torch's DDP and FSDP included)."""
+    return any(cls.wraps(model) for cls in STRATEGIES.values())
 
 
 __all__ = [
@@ -64,6 +49,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "Strategy",
     "build_strategy",
+    "checkpoint_format",
     "is_model_wrapper",
     "parse_losses",
 ]

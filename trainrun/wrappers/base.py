@@ -14,6 +14,7 @@ import pickle
 import re
 import struct
 import threading
+import zipfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -163,6 +164,55 @@ class Strategy(ABC):
         load_optimizer_state(optimizer, state.pop("optimizer", None))
         return state
 
+    # ------------------------------------------------ the checkpoint format (no group needed)
+    # A strategy whose checkpoints are in a format of its own (a directory) overrides
+    # `owns_checkpoint` and the readers below; this default format is one torch file.
+
+    formats: ClassVar[list[type[Strategy]]] = []  # the strategies with a format of their own
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "owns_checkpoint" in cls.__dict__:
+            Strategy.formats.append(cls)
+
+    @classmethod
+    def owns_checkpoint(cls, path: Path) -> bool:
+        """Whether ``path`` is a checkpoint in this strategy's own format."""
+        return path.is_file()
+
+    @classmethod
+    def look_inside(cls, path: Path) -> None:
+        """A cheap look that ``path`` is a readable checkpoint holding only tensors and plain
+        containers (its tensors' data is not read); raises ValueError or UnpicklingError."""
+        load_mapped(path)
+
+    @classmethod
+    def read_state(cls, path: Path) -> dict[str, Any]:
+        """The whole checkpoint as one plain state (model, optimiser, the runner's state)."""
+        with refusing_unsafe(path):
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+    @classmethod
+    def read_weights(cls, path: Path) -> dict[str, torch.Tensor]:
+        """The whole model's state, plain keys, read in this process with no group."""
+        state = cls.read_state(path)
+        return state.get("model", state)
+
+    @classmethod
+    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor of the model's state, from what the format records about
+        them (the tensors themselves are not read)."""
+        state = load_mapped(path)
+        model = state.get("model", state)
+        return {key: tuple(value.shape) for key, value in model.items()
+                if isinstance(value, torch.Tensor)}
+
+    @classmethod
+    def wraps(cls, model: Any) -> bool:
+        """Whether ``model`` is this strategy's wrapper (or torch's own that it uses); what
+        `trainrun.wrappers.is_model_wrapper` asks every registered strategy."""
+        return False
+
     def teardown(self) -> None:
         """Release what the strategy holds before the process group goes away."""
         if self._writer is not None:
@@ -246,14 +296,41 @@ def written_sha256(path: str | os.PathLike) -> str:
 
 
 def load_state_file(path: str) -> dict[str, Any]:
-    """A checkpoint's content, refusing anything but tensors and plain containers; a sharded
-    checkpoint (a directory) comes back whole, as one plain state."""
-    if os.path.isdir(path):
-        from trainrun.wrappers.fsdp import load_sharded_as_full
+    """A checkpoint's content, refusing anything but tensors and plain containers; a
+    checkpoint of a strategy's own format (a directory) comes back whole, as one plain
+    state."""
+    return checkpoint_format(path).read_state(Path(path))
 
-        return load_sharded_as_full(path)
-    with refusing_unsafe(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
+
+def checkpoint_format(path: str | os.PathLike) -> type[Strategy]:
+    """The strategy class that reads the checkpoint ``path``: the one whose own format it is
+    (`Strategy.owns_checkpoint`), else `Strategy`, whose format is one torch file."""
+    for cls in Strategy.formats:
+        if cls.owns_checkpoint(Path(path)):
+            return cls
+    return Strategy
+
+
+def load_mapped(file: Path) -> Any:
+    """A torch file's contents with its tensors memory-mapped (their data is not read),
+    refusing anything but tensors and plain containers; a file cut short says so."""
+    with refusing_unsafe(file):
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, OSError) as error:
+            if _cut_short(file):
+                raise ValueError(f"{file} is truncated: a torch file whose end is missing (its "
+                                 f"write did not finish, or the copy was cut short)") from None
+            if not isinstance(error, RuntimeError) or "mmap" not in str(error):
+                raise
+        return torch.load(file, map_location="cpu", weights_only=True)  # an older, non-zip file
+
+
+def _cut_short(file: Path) -> bool:
+    """Whether ``file`` begins as a zip archive (what torch writes) but has no end."""
+    with open(file, "rb") as f:
+        begins = f.read(4) == b"PK\x03\x04"
+    return begins and not zipfile.is_zipfile(file)
 
 
 @contextlib.contextmanager

@@ -97,6 +97,10 @@ class DDPStrategy(Strategy):
     """Every rank holds the whole model; gradients are averaged in buckets during backward."""
 
     name = "ddp"
+
+    @classmethod
+    def wraps(cls, model: Any) -> bool:
+        return isinstance(model, DistributedDataParallel)  # MMDistributedDataParallel too
     OPTIONS = {
         "find_unused_parameters": False,
         "bucket_cap_mb": 25,

@@ -46,6 +46,7 @@ from trainrun.wrappers.base import (
     Optimizers,
     Strategy,
     fsync_and_hash,
+    load_mapped,
     load_state_file,
     refusing_unsafe,
     save_state_file,
@@ -447,6 +448,12 @@ class DeepSpeedStrategy(Strategy):
     """
 
     name = "deepspeed"
+
+    @classmethod
+    def wraps(cls, model: Any) -> bool:
+        """Checked by class name, so that DeepSpeed is never imported just to ask."""
+        return any(c.__name__ in ("DeepSpeedEngine", "MMDeepSpeedEngineWrapper")
+                   for c in type(model).__mro__)
     WRITER_RANK = re.compile(r"zero_pp_rank_(\d+)_")  # each rank's partition files
     OPTIONS = {
         "zero_stage": None,  # 0 | 1 | 2 | 3
@@ -454,6 +461,32 @@ class DeepSpeedStrategy(Strategy):
         "offload_param": None,  # parameters on the CPU (stage 3 only)
         "config": None,  # raw DeepSpeed keys, added to what the run's keys give
     }
+
+    # its checkpoint: DeepSpeed's directory (see the module's functions)
+    @classmethod
+    def owns_checkpoint(cls, path: Path) -> bool:
+        return is_deepspeed_checkpoint(path)
+
+    @classmethod
+    def look_inside(cls, path: Path) -> None:
+        """The runner's train state and rank 0's model states, memory-mapped."""
+        with weights_only_loads(path):
+            for file in [path / TRAIN_STATE, *sorted((path / TAG).glob(
+                    "*mp_rank_00_model_states.pt"))]:
+                load_mapped(file)
+
+    @classmethod
+    def read_state(cls, path: Path) -> dict[str, Any]:
+        raise ValueError(f"{path} is a DeepSpeed checkpoint: strategy 'deepspeed' resumes it; "
+                         f"load_from reads its weights into any strategy")
+
+    @classmethod
+    def read_weights(cls, path: Path) -> dict[str, Tensor]:
+        return deepspeed_weights(path)
+
+    @classmethod
+    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
+        return deepspeed_model_shapes(path)
 
     def __init__(self, **options: Any):
         super().__init__(**options)

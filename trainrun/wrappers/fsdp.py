@@ -309,6 +309,14 @@ class FSDPStrategy(Strategy):
     """Parameters, gradients and optimiser state sharded over ranks (`fully_shard`)."""
 
     name = "fsdp"
+
+    @classmethod
+    def wraps(cls, model: Any) -> bool:
+        """trainrun's wrapper, and torch's fully sharded modules of both generations."""
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        return isinstance(model, (MMFullyShardedDataParallel, FSDPModule,
+                                  FullyShardedDataParallel))
     WRITER_RANK = re.compile(r"^__(\d+)[_.]")  # DCP's shards: __<rank>_<n>.distcp
     OPTIONS = {
         "sharding": "full",
@@ -318,6 +326,27 @@ class FSDPStrategy(Strategy):
         "activation_checkpointing": False,
         "hybrid_shard_size": None,
     }
+
+    # its checkpoint: a torch.distributed.checkpoint directory (see the module's functions)
+    @classmethod
+    def owns_checkpoint(cls, path: Path) -> bool:
+        return is_sharded_checkpoint(path)
+
+    @classmethod
+    def look_inside(cls, path: Path) -> None:
+        check_metadata(path)
+
+    @classmethod
+    def read_state(cls, path: Path) -> dict[str, Any]:
+        return load_sharded_as_full(path)
+
+    @classmethod
+    def read_weights(cls, path: Path) -> dict[str, Tensor]:
+        return sharded_model_weights(path)
+
+    @classmethod
+    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
+        return sharded_model_shapes(path)
 
     def __init__(self, **options: Any):
         super().__init__(**options)

@@ -83,6 +83,10 @@ class SeparateDDPStrategy(Strategy):
     """One DDP per trainable submodule; the model's own train_step steps its optimisers."""
 
     name = "separate_ddp"
+
+    @classmethod
+    def wraps(cls, model: Any) -> bool:
+        return isinstance(model, MMSeparateDistributedDataParallel)
     OPTIONS = {"broadcast_buffers": False, "find_unused_parameters": False}
 
     def setup(self, model: nn.Module, device: torch.device,
