@@ -1,0 +1,127 @@
+"""A strategy written entirely here, plus one registry line, gets what the shipped ones get:
+training from a config through the Runner, exact resume after a crash, export, the dry run's
+plan and option checking. It is DDP whose checkpoint is a directory with one file per rank
+(the README's "Write your own strategy" walks through it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.runner.toy import CrashAfter, Killed
+from trainrun.cli import export as export_tool
+from trainrun.cli import train as train_tool
+from trainrun.dist import barrier, get_rank
+from trainrun.runner import Runner
+from trainrun.runner.config import load_config
+from trainrun.wrappers import STRATEGIES, DDPStrategy
+from trainrun.wrappers.base import load_mapped, save_state_file
+
+
+class PerRankDDP(DDPStrategy):
+    """DDP; a checkpoint is a directory where every rank writes ``rank_<r>.pt`` itself."""
+
+    name = "per_rank_ddp"
+    WRITER_RANK = re.compile(r"^rank_(\d+)\.pt$")  # who writes (and hashes) which file
+
+    def save_checkpoint(self, path: str, model: Any, optimizer: Any,
+                        extra: dict[str, Any]) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_state_file(str(Path(path) / f"rank_{get_rank()}.pt"),
+                        self._whole_state(model, optimizer, extra))
+        barrier()
+
+    # the format: whether a path is one of these checkpoints, and how to read one
+    @classmethod
+    def owns_checkpoint(cls, path: Path) -> bool:
+        return path.is_dir() and (path / "rank_0.pt").is_file()
+
+    @classmethod
+    def look_inside(cls, path: Path) -> None:
+        load_mapped(path / "rank_0.pt")
+
+    @classmethod
+    def read_state(cls, path: Path) -> dict[str, Any]:
+        return super().read_state(path / "rank_0.pt")
+
+    @classmethod
+    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
+        return super().model_shapes(path / "rank_0.pt")
+
+
+CONFIG = """\
+model: {type: tests.runner.toy.ToyModel}
+data:
+  train: {type: tests.runner.toy.ToyRegression, size: 32, batch_size: 4}
+strategy: {type: per_rank_ddp, bucket_cap_mb: 1}
+optim: {type: SGD, lr: 0.01, momentum: 0.9}
+schedule: {max_iters: 12}
+logging: {interval: 1, backends: [jsonl]}
+checkpoint: {interval: 4}
+"""
+
+
+def _losses(work_dir: Path) -> dict[int, float]:
+    import json
+    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "mode" not in r}
+
+
+def _train_crash_resume(config: str, root: str) -> list[str]:
+    """On every rank: a straight run, and one that crashes after step 6 then resumes."""
+    STRATEGIES["per_rank_ddp"] = PerRankDDP  # the registry line, in this worker process
+    try:
+        def runner(name: str, **more: Any) -> Runner:
+            return Runner.from_cfg(load_config(config, [f"work_dir={root}/{name}"],
+                                               values=more))
+
+        with runner("straight") as run:
+            run.train()
+        with runner("crashed") as run, pytest.raises(Killed):
+            run.hooks.append(CrashAfter(6))
+            run.train()
+        with runner("crashed", resume=True) as run:
+            run.train()
+        return sorted(p.name for p in (Path(root) / "crashed/checkpoints/iter_4.pth").iterdir())
+    finally:
+        del STRATEGIES["per_rank_ddp"]
+
+
+@pytest.fixture(scope="module")
+def trained(run_on, tmp_path_factory):
+    root = tmp_path_factory.mktemp("custom")
+    config = root / "per_rank.yaml"
+    config.write_text(CONFIG)
+    files = run_on(2)(_train_crash_resume, str(config), str(root))
+    return root, config, files
+
+
+def test_it_trains_from_a_config_and_resumes_exactly(trained):
+    root, _, files = trained
+    assert files[0] == files[1] == ["SHA256SUMS", "rank_0.pt", "rank_1.pt"]  # its own format
+    straight, resumed = _losses(root / "straight"), _losses(root / "crashed")
+    assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
+
+
+def test_it_exports_and_shows_in_the_plan_and_checks_its_options(trained, tmp_path,
+                                                                  monkeypatch, capsys):
+    root, config, _ = trained
+    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the registry line, here
+    checkpoint = root / "straight" / "checkpoints" / "iter_12.pth"
+    out = tmp_path / "model.safetensors"
+    assert export_tool.main([str(checkpoint), str(out)]) == 0
+    saved = torch.load(checkpoint / "rank_0.pt", weights_only=True)["model"]
+    exported = load_file(out)
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+    assert train_tool.main([str(config), "--dry-run", "--work-dir", str(tmp_path / "x")]) == 0
+    assert re.search(r"strategy\s+per_rank_ddp", capsys.readouterr().out)
+    assert train_tool.main([str(config), "--dry-run", "--cfg-options",
+                            "strategy.bucket_cap=1"]) == 2
+    assert "strategy.bucket_cap" in capsys.readouterr().err
