@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from trainrun.dist.device import DTYPES
 from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
 from trainrun.runner.files import replacing
 from trainrun.runner.manifest import verify_checkpoint
 
 FORMATS = ("safetensors", "torch")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 

@@ -14,6 +14,17 @@ from trainrun.dist.info import get_backend
 _BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu", "cncl": "mlu", "mccl": "musa"}
 
 
+# The dtypes by the names configs and command lines give them (precision, export's --dtype,
+# fsdp's mixed_precision), and the longer names also accepted for them.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype autocast computes in for ``precision``; None for fp32 (no autocast)."""
+    return None if precision == "fp32" else DTYPES[precision]
+
+
 def get_device() -> str:
     """The accelerator type this process computes on: 'cuda', 'npu', 'mlu', 'musa', 'mps' or
     'cpu'."""

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainrun.dist import at_step, phase, set_phase
-from trainrun.runner.optim import PRECISIONS
+from trainrun.dist.device import autocast_dtype
 from trainrun.runner.sampler import ResumableSampler
 
 
@@ -117,7 +117,7 @@ class EvalLoop:
         start_epoch(self.dataloader, 0, runner.seed)
         was_training = runner.model.training
         runner.model.eval()
-        dtype = PRECISIONS.get(runner.precision)
+        dtype = autocast_dtype(runner.precision)
         autocast = torch.autocast(runner.device.type, dtype) if dtype else nullcontext()
         step = runner.model.val_step if self.mode == "val" else runner.model.test_step
         for batch in self.dataloader:

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from trainrun.dist import phase
+from trainrun.dist.device import DTYPES, autocast_dtype
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(DTYPES)  # the names of `precision`
 
 
 def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
@@ -152,7 +153,7 @@ class _OptimContext:
     def __enter__(self) -> None:
         wrapper = self._wrapper
         no_sync = not wrapper.will_step and hasattr(self._model, "no_sync")
-        dtype = PRECISIONS[wrapper.precision]
+        dtype = autocast_dtype(wrapper.precision)
         if not no_sync and dtype is None:
             return
         with ExitStack() as stack:

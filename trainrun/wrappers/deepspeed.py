@@ -40,6 +40,7 @@ from trainrun.dist import (
     is_main_process,
     phase,
 )
+from trainrun.dist.device import autocast_dtype
 from trainrun.wrappers.base import (
     TRAIN_STATE,
     MakeOptimizer,
@@ -55,7 +56,6 @@ from trainrun.wrappers.base_model import loss_step
 
 log = logging.getLogger("trainrun")
 
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TAG = "state"  # DeepSpeed's tag: the sub-directory holding its files
 
 
@@ -152,7 +152,7 @@ def _plain(value: Any) -> Any:
 
 
 def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
-    dtype = PRECISION_DTYPES.get(precision)
+    dtype = autocast_dtype(precision)
     return torch.autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
 
 

@@ -27,6 +27,7 @@ import torch.distributed as torch_dist
 from torch import Tensor, nn
 
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
+from trainrun.dist.device import DTYPE_ALIASES, DTYPES
 from trainrun.dist.timeouts import get_timeout
 from trainrun.wrappers.base import (
     TRAIN_STATE,
@@ -49,17 +50,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainrun")
 
 SHARDINGS = ("full", "grad_op", "none", "hybrid")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def parse_dtype(key: str, name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    if name not in DTYPES:
+    short = DTYPE_ALIASES.get(name, name)
+    if short not in DTYPES:
         raise ValueError(f"strategy.mixed_precision.{key} must be one of "
-                         f"{', '.join(DTYPES)} (or null); got {name!r}")
-    return DTYPES[name]
+                         f"{', '.join([*DTYPES, *DTYPE_ALIASES])} (or null); got {name!r}")
+    return DTYPES[short]
 
 
 def mixed_precision_policy(options: dict[str, Any] | None) -> MixedPrecisionPolicy:
