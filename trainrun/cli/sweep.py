@@ -59,7 +59,7 @@ from typing import Any
 from trainrun.cli import TRAIN
 from trainrun.cli.metrics import Series, read_run
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
-from trainrun.runner.checks import show
+from trainrun.dist.text import show
 from trainrun.runner.files import write_atomically
 
 MANIFEST, STATUS, LOG, JOBS = "sweep.json", "sweep_status.json", "sweep.log", "slurm_jobs.txt"

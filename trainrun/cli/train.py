@@ -25,8 +25,8 @@ from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
+from trainrun.dist.text import first_line
 from trainrun.runner.builder import check_batches, check_types
-from trainrun.runner.checks import first_line
 from trainrun.runner.config import (
     LAUNCHERS,
     ConfigError,

@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 import torch.distributed as torch_dist
 
 from trainrun.dist.exits import EXIT_FAILED
+from trainrun.dist.text import first_line
 
 log = logging.getLogger("trainrun")
 
@@ -187,16 +188,10 @@ def describe(beats: dict[int, Beat | None], now: float, silent_after: float,
 
 # ---------------------------------------------------------------- the heartbeat
 
-def _first_line(error: BaseException) -> str:
-    """An error's message, its first line only (backends' messages run to pages; the
-    runner's twin is trainrun.runner.checks.first_line, which dist may not import)."""
-    return (str(error).strip().splitlines() or [""])[0]
-
-
 def brief(error: BaseException) -> str:
     """An error's first sentence, without the source location backends put first
     ('[.../pair.cc:537] Read error ...: Connection timed out. This is typically ...')."""
-    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", _first_line(error))
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first_line(error))
     return line.split(". ", 1)[0]
 
 
@@ -337,7 +332,7 @@ class Heartbeat:
             if refused is not None and time.monotonic() - refused[0] >= self.GONE_AFTER \
                     and not self.failing:
                 self._exit_lost(f"the job's store at {self.address} is gone "
-                                f"({_first_line(refused[1])}): its host or the launcher "
+                                f"({first_line(refused[1])}): its host or the launcher "
                                 "hosting it died")
             unanswered = time.monotonic() - self._answered
             if unanswered >= self.silent_after:
@@ -428,7 +423,7 @@ class Heartbeat:
         where = Beat(0, 0.0, _place.step, _place.phase).where()
         try:
             self._post(f"rank {self.rank} failed {where}: {type(error).__name__}: "
-                       f"{_first_line(error)}",
+                       f"{first_line(error)}",
                        [self.rank])
             deadline = time.monotonic() + self.GRACE + 3
             while self.store.add(self.key("told"), 0) < self.world_size - 1 \

@@ -11,10 +11,11 @@ Metrics carry default keyword options, because one class serves several names
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 from typing import Any
+
+from trainrun.dist.text import closest
 
 MODELS: dict[str, str] = {
     "DigitsMLP": "trainrun.examples.digits:DigitsMLP",
@@ -61,7 +62,7 @@ def resolve(kind: str, name: str) -> Any:
         except ValueError as error:
             sep = " " if str(error).endswith("?") else ". "
             raise ValueError(f"{error}{sep}{_registered(kind, registry)}") from None
-    hint = _closest(name, list(registry))
+    hint = closest(name, registry, cutoff=0.5)
     raise ValueError(f"unknown {kind} type {name!r}"
                      + (f"; did you mean {hint!r}?" if hint else ".")
                      + f" {_registered(kind, registry)}; any other class is named by its "
@@ -94,7 +95,7 @@ def import_target(path: str, kind: str = "object") -> Any:
     found: Any = module
     for part in attribute.split("."):
         if not hasattr(found, part):
-            hint = _closest(part, [n for n in dir(found) if not n.startswith("_")])
+            hint = closest(part, [n for n in dir(found) if not n.startswith("_")], cutoff=0.5)
             owner = getattr(found, "__name__", repr(found))
             raise ValueError(f"{kind} type {path!r}: {owner} has no attribute {part!r}"
                              + (f"; did you mean {hint!r}?" if hint else ""))
@@ -105,13 +106,6 @@ def import_target(path: str, kind: str = "object") -> Any:
 def _is_prefix(missing: str, module_name: str) -> bool:
     """Whether the module that could not be found is ``module_name`` or one of its parents."""
     return module_name == missing or module_name.startswith(missing + ".")
-
-
-def _closest(name: str, choices: list[str]) -> str | None:
-    """The choice most like ``name``, ignoring case, or None when none is close."""
-    by_lower = {choice.lower(): choice for choice in choices}
-    match = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.5)
-    return by_lower[match[0]] if match else None
 
 
 def _registered(kind: str, registry: dict[str, Any]) -> str:

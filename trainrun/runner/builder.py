@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainrun.dist.text import first_line
 from trainrun.examples import resolve
-from trainrun.runner.checks import first_line
 from trainrun.runner.config import DEFAULT_BATCH_SIZE, LOADER_KEYS, WRAPPER_KEYS, ConfigError
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer

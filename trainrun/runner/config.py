@@ -25,8 +25,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.optim import Optimizer
 
+from trainrun.dist.text import closest, is_int, is_number, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
-from trainrun.runner.checks import closest, is_int, is_number, show
 from trainrun.runner.optim import PRECISIONS
 from trainrun.runner.preemption import STOP_SIGNALS, signal_number
 from trainrun.runner.scheduler import check_scheduler, check_total_iters

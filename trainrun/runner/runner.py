@@ -37,6 +37,7 @@ from trainrun.dist import (
     watch_ranks,
 )
 from trainrun.dist.heartbeat import Heartbeat, brief
+from trainrun.dist.text import first_line
 from trainrun.dist.timeouts import get_timeout
 from trainrun.runner.builder import (
     build_dataloader,
@@ -56,7 +57,6 @@ from trainrun.runner.checkpoint import (
     read_weights,
     resolve_checkpoint,
 )
-from trainrun.runner.checks import first_line
 from trainrun.runner.config import (
     DEFAULT_DIST_TIMEOUT,
     DEFAULT_MAX_EPOCHS,

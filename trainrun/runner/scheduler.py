@@ -17,7 +17,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from trainrun.runner.checks import closest, is_int, is_number, show
+from trainrun.dist.text import closest, is_int, is_number, show
 
 REQUIRED = object()  # an option without a default
 

@@ -1,5 +1,5 @@
-"""Small helpers that the config and schedule checks and the one-line reports share: type
-tests and message parts."""
+"""Small helpers for one-line messages, shared by every layer (the config checks, the reports
+of the command lines, the heartbeat): type tests and message parts."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ def show(value: Any) -> str:
     return repr(value)
 
 
-def closest(word: str, known: Iterable[str],
-            aliases: Mapping[str, str] | None = None) -> str | None:
-    """The known name closest to ``word`` ignoring case, else the one a close alias names."""
+def closest(word: str, known: Iterable[str], aliases: Mapping[str, str] | None = None,
+            cutoff: float = 0.6) -> str | None:
+    """The known name closest to ``word`` ignoring case (at least ``cutoff`` alike), else the
+    one a close alias names: what a "did you mean" offers."""
     known = [k for k in known if isinstance(k, str)]
     lowered = {k.lower(): k for k in known}
-    found = difflib.get_close_matches(str(word).lower(), list(lowered), n=1)
+    found = difflib.get_close_matches(str(word).lower(), list(lowered), n=1, cutoff=cutoff)
     if found:
         return lowered[found[0]]
     aliases = aliases or {}
