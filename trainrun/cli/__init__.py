@@ -8,6 +8,7 @@ Each subcommand is a module here with a ``main(argv) -> exit code``; the runner'
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,13 @@ COMMANDS = {
 }
 
 
+def prog(command: str, script: str) -> str:
+    """The name a usage line gives: ``trainrun COMMAND`` in a process started as ``trainrun``
+    or ``python -m trainrun``, else the tools/ script's (``train.py``)."""
+    started = os.path.basename(sys.argv[0])
+    return f"trainrun {command}" if started in ("trainrun", "__main__.py") else script
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
@@ -37,9 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``trainrun SUBCOMMAND ARGS``: run the subcommand's ``main(ARGS)``; returns its exit
     code (2 for an unknown subcommand)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        print(usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(usage())
-        return 0 if args else 2
+        return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
         print(f"error: unknown subcommand {name!r}; expected one of {', '.join(COMMANDS)}\n"

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from trainrun.cli import prog
 from trainrun.dist.device import DTYPES
 from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
@@ -36,8 +37,9 @@ class ExportError(ValueError):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="export.py", description="Consolidate a checkpoint of any "
-                                "strategy into one plain state-dict file.")
+    p = argparse.ArgumentParser(prog=prog("export", "export.py"),
+                                description="Consolidate a checkpoint of any strategy into "
+                                "one plain state-dict file.")
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a checkpoint file or directory, or a work_dir (its newest checkpoint)")
     p.add_argument("out", metavar="OUT", help="the file to write")

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainrun.cli import TRAIN
+from trainrun.cli import TRAIN, prog
 from trainrun.cli.metrics import Series, read_run
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.dist.text import show
@@ -107,8 +107,9 @@ class Sweep:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="sweep.py", description="Train every point of a hyper-parameter grid (one after "
-        "another, or as a SLURM job array) and summarise them.")
+        prog=prog("sweep", "sweep.py"),
+        description="Train every point of a hyper-parameter grid (one after another, or as a "
+        "SLURM job array) and summarise them.")
     p.add_argument("config", metavar="CONFIG", help="the YAML config")
     p.add_argument("--grid", nargs="+", action="extend", required=True, metavar="KEY=V1,V2",
                    help="a dotted key and its comma-separated values (YAML), e.g. "

@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from trainrun.cli import prog
 from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
@@ -61,7 +62,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="train.py", description="Train from a YAML config.")
+    parser = argparse.ArgumentParser(prog=prog("train", "train.py"),
+                                     description="Train from a YAML config.")
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     _add_common(parser)
     parser.add_argument("--resume", nargs="?", const=True, metavar="CKPT",
@@ -79,7 +81,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def test_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="test.py",
+    parser = argparse.ArgumentParser(prog=prog("test", "test.py"),
                                      description="Test a checkpoint on the config's test data.")
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint to test")

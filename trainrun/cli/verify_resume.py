@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainrun.cli import TRAIN
+from trainrun.cli import TRAIN, prog
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainrun.dist.launch import free_port
 from trainrun.runner.checkpoint import LAST
@@ -95,7 +95,7 @@ def _at_least(minimum: int) -> Any:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="verify_resume.py",
+        prog=prog("verify-resume", "verify_resume.py"),
         description="Train S steps straight, then S/2 + SIGKILL + --resume to S, and check "
                     "that the logged losses are bit-for-bit identical. schedule.max_iters, "
                     "checkpoint.interval, logging and resume are set by this tool.")

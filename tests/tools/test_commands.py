@@ -1,0 +1,25 @@
+"""The ``trainrun`` command: its subcommands, and the names their usage lines give."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import trainrun.cli as cli
+from tests.tools.test_train_cli import REPO, env
+
+
+def test_python_m_trainrun_runs_a_subcommand_under_its_name():
+    done = subprocess.run([sys.executable, "-m", "trainrun", "verify-resume", "--help"],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: trainrun verify-resume ")
+
+
+def test_no_subcommand_or_an_unknown_one_is_exit_2_listing_them(capsys):
+    assert cli.main([]) == 2
+    assert "train " in capsys.readouterr().err
+    assert cli.main(["trian", "x.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown subcommand 'trian'; expected one of train, test, ")
+    assert cli.main(["--help"]) == 0 and "verify-resume" in capsys.readouterr().out
