@@ -150,3 +150,16 @@ def test_rank_and_world_default_to_the_group(on_ranks, world_size):
         assert dealt == torch_deals(21, world_size, rank, True, 1, False, 2)[0]
     assert set(itertools.chain(*(d for _, _, d in results))) == set(range(21))
     assert dist.get_world_size() == 1  # the test process itself never joined a group
+
+
+def test_the_sampler_keeps_its_own_cursor_as_steps_are_trained():
+    sampler = ResumableSampler(10, shuffle=False, num_replicas=2, rank=1)
+    sampler.trained(2)  # one step: 2 samples on each of 2 ranks
+    assert sampler.cursor == 4 and list(sampler) == [5, 7, 9]
+    sampler.trained(2)
+    sampler.trained(2)  # past the end: the last step was short
+    assert sampler.cursor == 10 and list(sampler) == []
+    sampler.set_epoch(1)
+    sampler.trained(2)
+    sampler.finish_epoch()  # a short last batch that drop_last left out
+    assert (sampler.epoch, sampler.cursor) == (1, 10)

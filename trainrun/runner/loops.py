@@ -64,8 +64,7 @@ class TrainLoop:
         start_epoch(loader, runner.epoch, runner.seed, from_cursor=self.resume_mid_epoch)
         self.resume_mid_epoch = False
         sampler = loader.sampler
-        start_cursor = getattr(sampler, "cursor", 0)
-        step_samples = (loader.batch_size or 1) * getattr(sampler, "num_replicas", 1)
+        resumable = isinstance(sampler, ResumableSampler)  # it keeps where the epoch is
         runner.call_hook("before_train_epoch")
         runner.model.train()
         finished = True
@@ -78,9 +77,8 @@ class TrainLoop:
                 outputs = runner.model.train_step(to_device(batch, runner.device),
                                                   runner.optim_wrapper)
             runner.iter += 1
-            if isinstance(sampler, ResumableSampler):
-                sampler.cursor = min(start_cursor + (batch_idx + 1) * step_samples,
-                                     sampler.dataset_len)
+            if resumable:
+                sampler.trained(loader.batch_size or 1)
             for scheduler in runner.schedulers:
                 scheduler.step()
             runner.call_hook("after_train_iter", batch_idx, batch, outputs)
@@ -91,8 +89,8 @@ class TrainLoop:
             set_phase("data loading")
         set_phase("hooks")
         if finished:
-            if isinstance(sampler, ResumableSampler):
-                sampler.cursor = sampler.dataset_len
+            if resumable:
+                sampler.finish_epoch()
             runner.epoch += 1
             runner.call_hook("after_train_epoch")
 

@@ -52,6 +52,14 @@ class ResumableSampler(Sampler[int | tuple[int, int]]):
         self.epoch = epoch
         self.cursor = 0
 
+    def trained(self, batch_size: int) -> None:
+        """One step of this epoch is trained: each rank's batch of ``batch_size`` samples."""
+        self.cursor = min(self.cursor + batch_size * self.num_replicas, self.dataset_len)
+
+    def finish_epoch(self) -> None:
+        """This epoch is trained to its end (a last batch that drop_last left out included)."""
+        self.cursor = self.dataset_len
+
     def epoch_order(self) -> list[int]:
         """The whole epoch's order, the same on every rank (torch's DistributedSampler's)."""
         if not self.shuffle:
