@@ -11,6 +11,7 @@ import torch
 
 import trainrun.dist as dist
 from tests.runner.toy import CrashAfter, Killed
+from trainrun.runner.hooks import Hook
 from trainrun.runner.runner import Runner
 
 DATASET = "tests.runner.toy.ToyRegression"
@@ -132,3 +133,31 @@ def test_only_rank_zero_writes(run_on, tmp_path):
     written = {str(p.relative_to(tmp_path / "rank0")) for p in (tmp_path / "rank0").rglob("*")}
     assert {"metrics.jsonl", "train.log", "checkpoints/last", "checkpoints/iter_6.pth"} <= written
     assert not (tmp_path / "rank1").exists()
+
+
+class Tally(Hook):
+    """Adds ``by`` at every step: state that a resumed run must get back, each its own."""
+
+    def __init__(self, by: int):
+        self.by, self.total = by, 0
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        self.total += self.by
+
+    def state_dict(self):
+        return {"total": self.total}
+
+    def load_state_dict(self, state):
+        self.total = state["total"]
+
+
+def test_two_hooks_of_one_class_resume_each_its_own_state(tmp_path):
+    checkpoint = {"interval": 4}
+    with pytest.raises(Killed):
+        _runner(tmp_path, max_iters=8, val=False, checkpoint=checkpoint,
+                hooks=[Tally(1), Tally(10), CrashAfter(6)]).train()
+    tallies = [Tally(1), Tally(10)]
+    with _runner(tmp_path, max_iters=8, val=False, checkpoint=checkpoint, resume=True,
+                 hooks=tallies) as runner:
+        runner.train()
+    assert [t.total for t in tallies] == [8, 80]  # 4 steps saved, 4 more; not 44 and 80

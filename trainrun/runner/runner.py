@@ -442,9 +442,21 @@ class Runner:
             "optim_wrapper": wrapper_states,
             "schedulers": [s.state_dict() for s in self.schedulers],
             "rng": rngs,
-            "hooks": {type(h).__name__: h.state_dict() for h in self.hooks
-                      if hasattr(h, "state_dict")},
+            "hooks": {key: hook.state_dict() for key, hook in self._keyed_hooks()
+                      if hasattr(hook, "state_dict")},
         }
+
+    def _keyed_hooks(self) -> list[tuple[str, Hook]]:
+        """Each hook with the key of its state in a checkpoint: its class's name, and for a
+        second hook of one class ``Name#2`` (and so on, in the order of the hooks), so that two
+        of a kind keep their states apart; a first one keeps the key older checkpoints used."""
+        seen: dict[str, int] = {}
+        keyed = []
+        for hook in self.hooks:
+            name = type(hook).__name__
+            seen[name] = seen.get(name, 0) + 1
+            keyed.append((name if seen[name] == 1 else f"{name}#{seen[name]}", hook))
+        return keyed
 
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
                         background: bool = False) -> Path:
@@ -548,9 +560,9 @@ class Runner:
             # the epoch being trained goes on from the cursor, even one at the epoch's end (a
             # checkpoint after its last step): that epoch is then finished, not started again
             self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
-        for hook in self.hooks:
-            if hasattr(hook, "load_state_dict") and type(hook).__name__ in state["hooks"]:
-                hook.load_state_dict(state["hooks"][type(hook).__name__])
+        for key, hook in self._keyed_hooks():
+            if hasattr(hook, "load_state_dict") and key in state["hooks"]:
+                hook.load_state_dict(state["hooks"][key])
         rngs = state["rng"]
         if len(rngs) == self.world_size:
             set_rng_state(rngs[self.rank])
