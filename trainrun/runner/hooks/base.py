@@ -17,11 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
+# The order of the built-in hooks at every point, after each training step in particular: the
+# step's time is taken, its numbers logged, validation runs where due, a hook of yours (NORMAL
+# unless it sets its own priority), then the checkpoint (so it holds the validation's best)
+# and last the check for a stop signal (which stops after that checkpoint).
+TIMER, LOGGER, VALIDATION, NORMAL, CHECKPOINT, PREEMPTION = 10, 20, 40, 50, 60, 70
+
 
 class Hook:
     """Base class: override the points you need."""
 
-    priority: int = 50
+    priority: int = NORMAL
 
     def before_run(self, runner: Any) -> None: ...
     def after_run(self, runner: Any) -> None: ...

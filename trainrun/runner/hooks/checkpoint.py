@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.runner.config import best_rule_for
-from trainrun.runner.hooks.base import Hook, every
+from trainrun.runner.hooks.base import CHECKPOINT, Hook, every
 from trainrun.runner.logging import get_logger
 
 
 class CheckpointHook(Hook):
-    priority = 60
+    priority = CHECKPOINT  # see hooks/base.py for the order
 
     def __init__(self, interval: int = 1, save_last: bool = True, save_best: str | None = None,
                  best_rule: str | None = None, background: bool = False):

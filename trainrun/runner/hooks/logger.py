@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from trainrun.dist import all_reduce_dict, is_main_process
-from trainrun.runner.hooks.base import Hook, every
+from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
 
 
@@ -22,7 +22,7 @@ def _number(value: Any) -> float:
 
 
 class LoggerHook(Hook):
-    priority = 20
+    priority = LOGGER  # see hooks/base.py for the order
 
     def __init__(self, interval: int = 10, backends: list[str] | None = None,
                  progress_bar: bool | None = None):

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from trainrun.dist import broadcast_object_list, is_main_process
-from trainrun.runner.hooks.base import Hook
+from trainrun.runner.hooks.base import PREEMPTION, Hook
 from trainrun.runner.logging import get_logger
 from trainrun.runner.preemption import Preempted, requeue_slurm_job
 
 
 class PreemptionHook(Hook):
-    priority = 70  # after the step's own validation and checkpoint
+    priority = PREEMPTION  # see hooks/base.py for the order
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:

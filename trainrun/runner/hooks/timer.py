@@ -6,13 +6,13 @@ import time
 from collections import deque
 from typing import Any
 
-from trainrun.runner.hooks.base import Hook
+from trainrun.runner.hooks.base import TIMER, Hook
 
 
 class IterTimerHook(Hook):
     """Keeps the mean iteration and data times over the last ``window`` iterations."""
 
-    priority = 10
+    priority = TIMER  # see hooks/base.py for the order
 
     def __init__(self, window: int = 50):
         self.iter_times: deque[float] = deque(maxlen=window)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainrun.runner.hooks.base import Hook, every
+from trainrun.runner.hooks.base import VALIDATION, Hook, every
 
 
 class ValidationHook(Hook):
-    priority = 40
+    priority = VALIDATION  # see hooks/base.py for the order
 
     def __init__(self, interval: int = 1):
         self.interval = interval
