@@ -710,8 +710,10 @@ def read_point(work_dir: Path) -> tuple[Series, Series]:
 
 
 def lower_is_better(metric: str) -> bool:
-    """A loss is better lower, anything else higher (as checkpoint.save_best decides)."""
-    return "loss" in metric.lower()
+    """A loss is better lower, anything else higher: the rule of checkpoint.save_best."""
+    from trainrun.runner.config import best_rule_for
+
+    return best_rule_for(metric) == "less"
 
 
 def best(points: list[tuple[int, float]], metric: str) -> tuple[float, int]:
