@@ -13,10 +13,7 @@ setup:
 train: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 tools/train.py configs/digits_ddp.yaml --launcher pytorch
 
-# Two test processes, each taking whole files (a file's module fixtures are shared): most slow
-# tests wait on other processes (signals, timeouts, SLURM), so two finish in about 2/3 of the
-# time of one, on two cores too (7:30 against 11:40 with other work on the machine).
-PYTEST := $(PY) -m pytest -q -ra -n 2 --dist loadfile
+PYTEST := $(PY) -m pytest -q -ra
 
 test: setup
 	$(PYTEST)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.procs import free_port
 from tests.runner.test_manifest import flip_byte
+from trainrun.cli.processes import descendants
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tools" / "train.py"
@@ -176,24 +177,6 @@ def test_resume_passes_over_a_damaged_sharded_checkpoint(tmp_path, options, file
 SLOW = [*SHORT, "schedule.max_epochs=null", "schedule.max_iters=40", "schedule.val_interval=20",
         "checkpoint.interval=10", "logging.interval=1",
         "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.03"]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so
-    killing torchrun's process group would leave them running)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _kill_tree(pid: int) -> None:

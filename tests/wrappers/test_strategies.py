@@ -348,3 +348,19 @@ def test_load_state_file_calls_any_damaged_file_unreadable(tmp_path):
             warnings.simplefilter("ignore")  # torch warns about pickle protocols it sees
             with pytest.raises(ValueError, match="not a readable checkpoint"):
                 load_state_file(str(path))
+
+
+def test_every_shipped_wrapper_meets_the_declared_contracts():
+    from trainrun.runner.optim import OptimWrapper, OptimWrapperDict
+    from trainrun.wrappers import ModelContract, OptimWrapperContract, StepOptimWrapper
+    from trainrun.wrappers.deepspeed import DeepSpeedOptimWrapper, MMDeepSpeedEngineWrapper
+    from trainrun.wrappers.fsdp import MMFullyShardedDataParallel
+
+    for cls in (BaseModel, MMDistributedDataParallel, MMSeparateDistributedDataParallel,
+                MMFullyShardedDataParallel, MMDeepSpeedEngineWrapper):
+        assert issubclass(cls, ModelContract), cls.__name__
+    assert not issubclass(torch.nn.Linear, ModelContract)  # no train_step: not a model
+    for cls in (OptimWrapper, DeepSpeedOptimWrapper):
+        assert issubclass(cls, StepOptimWrapper), cls.__name__
+    assert issubclass(OptimWrapperDict, OptimWrapperContract)  # its values are StepOptimWrappers
+    assert not issubclass(torch.optim.SGD, OptimWrapperContract)

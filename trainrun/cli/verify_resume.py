@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.cli import TRAIN, prog
+from trainrun.cli.processes import process_tree
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainrun.dist.launch import free_port
 from trainrun.runner.checkpoint import LAST
@@ -165,30 +166,6 @@ def train_command(plan: Plan, run_dir: Path, resume: bool = False) -> list[str]:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc),
             "--master_port", str(free_port()), *train]
-
-
-def parent_pids() -> dict[int, int]:
-    """Every process's parent, read from /proc (Linux)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            after_name = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        parents[int(stat.parent.name)] = int(after_name[1])
-    return parents
-
-
-def process_tree(pid: int) -> set[int]:
-    """``pid`` and every process below it. torchrun starts its workers in sessions of their
-    own, so the tree is followed through parent pids, not through a process group."""
-    parents = parent_pids()
-    tree = {pid}
-    while True:
-        below = {child for child, parent in parents.items() if parent in tree} - tree
-        if not below:
-            return tree
-        tree |= below
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from trainrun.wrappers.base import Strategy, checkpoint_format
 from trainrun.wrappers.base_model import BaseModel, parse_losses
+from trainrun.wrappers.contracts import ModelContract, OptimWrapperContract, StepOptimWrapper
 from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
 from trainrun.wrappers.deepspeed import DeepSpeedStrategy
 from trainrun.wrappers.fsdp import FSDPStrategy, MMFullyShardedDataParallel
@@ -44,9 +45,12 @@ __all__ = [
     "MMDistributedDataParallel",
     "MMFullyShardedDataParallel",
     "MMSeparateDistributedDataParallel",
+    "ModelContract",
+    "OptimWrapperContract",
     "STRATEGIES",
     "SeparateDDPStrategy",
     "SingleDeviceStrategy",
+    "StepOptimWrapper",
     "Strategy",
     "build_strategy",
     "checkpoint_format",

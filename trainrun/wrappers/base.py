@@ -95,11 +95,13 @@ class Strategy(ABC):
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
         """Move ``model`` to ``device``, wrap it, and build its optimiser with ``make_optimizer``
-        over the parameters that will be trained (after wrapping, for strategies that shard)."""
+        over the parameters that will be trained (after wrapping, for strategies that shard).
+        The model returned meets `trainrun.wrappers.contracts.ModelContract`."""
 
     def optim_wrapper(self, model: nn.Module, optimizer: Optimizers | None) -> Any:
-        """The optimiser wrapper ``train_step`` gets, for a strategy whose wrapped model steps
-        the optimiser itself; ``None`` (this default): the runner's own `OptimWrapper`."""
+        """The optimiser wrapper ``train_step`` gets (meeting `contracts.StepOptimWrapper`),
+        for a strategy whose wrapped model steps the optimiser itself; ``None`` (this default):
+        the runner's own `OptimWrapper`."""
         return None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
