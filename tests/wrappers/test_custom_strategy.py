@@ -111,9 +111,11 @@ def test_it_trains_from_a_config_and_resumes_exactly(trained):
 def test_it_exports_and_shows_in_the_plan_and_checks_its_options(trained, tmp_path,
                                                                   monkeypatch, capsys):
     root, config, _ = trained
-    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the registry line, here
     checkpoint = root / "straight" / "checkpoints" / "iter_12.pth"
     out = tmp_path / "model.safetensors"
+    assert export_tool.main([str(checkpoint), str(out)]) == 2  # unregistered: not a checkpoint
+    assert "not a checkpoint" in capsys.readouterr().err
+    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the registry line, here
     assert export_tool.main([str(checkpoint), str(out)]) == 0
     saved = torch.load(checkpoint / "rank_0.pt", weights_only=True)["model"]
     exported = load_file(out)

@@ -1,8 +1,10 @@
-"""The interface every strategy implements, so the runner never cares which one it holds.
+"""The interface every strategy implements, so the runner never cares which one it holds, and
+the registry of strategies.
 
 A strategy takes the plain model, returns it wrapped for its kind of parallelism with its
-optimiser built over the right parameters, and knows how that pair is checkpointed. Adding a
-strategy is one new file with a subclass of `Strategy` and one line in `STRATEGIES`.
+optimiser built over the right parameters, and knows how that pair is checkpointed and how its
+checkpoints are read. Adding a strategy is one new file with a subclass of `Strategy` and one
+line in `STRATEGIES` (trainrun/wrappers/__init__.py fills it with the shipped ones).
 """
 
 from __future__ import annotations
@@ -54,11 +56,25 @@ def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
 
 
 class Strategy(ABC):
-    """How a model is wrapped, stepped and checkpointed for one kind of parallelism."""
+    """How a model is wrapped, stepped and checkpointed for one kind of parallelism.
+
+    A new strategy implements `name` and `setup` (which returns a model meeting
+    `trainrun.wrappers.contracts.ModelContract`), and declares `OPTIONS` and `WRAPPERS`.
+    It may inherit the rest, overriding where it differs: `unwrap`, `model_state_dict` and
+    `load_model_state_dict`; `save_checkpoint`, `save_checkpoint_async` and `load_checkpoint`
+    (one torch file from rank 0) with `WRITER_RANK`; `optim_wrapper` (for an engine that steps
+    its own optimiser); `configure`, `check_config` and `teardown`. A checkpoint format of its
+    own (a directory) overrides the classmethods `owns_checkpoint`, `look_inside`,
+    `read_state`, `read_weights` and `model_shapes`; the runner, the checkpoint manager,
+    export and test find it through `checkpoint_format`, which asks the registered strategies.
+    """
 
     name: ClassVar[str]
     # The options this strategy takes under `strategy:` in the config, with their defaults.
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    # The classes of the model `setup` returns (what `is_model_wrapper` recognises): a class, or
+    # a class's name where importing its library only to ask would cost every run start-up time.
+    WRAPPERS: ClassVar[tuple[type | str, ...]] = ()
     # In a checkpoint of this strategy, the names of the files each rank writes itself: group 1
     # is the writer's rank. Files it does not match (all, if None) are rank 0's.
     WRITER_RANK: ClassVar[re.Pattern[str] | None] = None
@@ -170,17 +186,11 @@ class Strategy(ABC):
     # A strategy whose checkpoints are in a format of its own (a directory) overrides
     # `owns_checkpoint` and the readers below; this default format is one torch file.
 
-    formats: ClassVar[list[type[Strategy]]] = []  # the strategies with a format of their own
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "owns_checkpoint" in cls.__dict__:
-            Strategy.formats.append(cls)
-
     @classmethod
     def owns_checkpoint(cls, path: Path) -> bool:
-        """Whether ``path`` is a checkpoint in this strategy's own format."""
-        return path.is_file()
+        """Whether ``path`` is a checkpoint in this strategy's own format; False (this
+        default): the strategy has none, its checkpoints are `Strategy`'s one torch file."""
+        return False
 
     @classmethod
     def look_inside(cls, path: Path) -> None:
@@ -211,9 +221,11 @@ class Strategy(ABC):
 
     @classmethod
     def wraps(cls, model: Any) -> bool:
-        """Whether ``model`` is this strategy's wrapper (or torch's own that it uses); what
+        """Whether ``model`` is of one of this strategy's `WRAPPERS`; what
         `trainrun.wrappers.is_model_wrapper` asks every registered strategy."""
-        return False
+        names = {c.__name__ for c in type(model).__mro__}
+        return any(wrapper in names if isinstance(wrapper, str) else isinstance(model, wrapper)
+                   for wrapper in cls.WRAPPERS)
 
     def teardown(self) -> None:
         """Release what the strategy holds before the process group goes away."""
@@ -297,20 +309,29 @@ def written_sha256(path: str | os.PathLike) -> str:
     return sha256_of(path)
 
 
+# ---------------------------------------------------------------- the registry
+
+# Every strategy by the name `strategy.type` gives it; trainrun/wrappers/__init__.py registers
+# the shipped ones, one line each. It lives here, beside the interface, so that reading a
+# checkpoint (`load_state_file`) asks it without importing the strategies' files.
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def checkpoint_format(path: str | os.PathLike) -> type[Strategy]:
+    """The strategy class that reads the checkpoint ``path``: the first registered one whose
+    own format it is (`Strategy.owns_checkpoint`), else `Strategy`, whose format is one torch
+    file."""
+    for cls in STRATEGIES.values():
+        if cls.owns_checkpoint(Path(path)):
+            return cls
+    return Strategy
+
+
 def load_state_file(path: str) -> dict[str, Any]:
     """A checkpoint's content, refusing anything but tensors and plain containers; a
     checkpoint of a strategy's own format (a directory) comes back whole, as one plain
     state."""
     return checkpoint_format(path).read_state(Path(path))
-
-
-def checkpoint_format(path: str | os.PathLike) -> type[Strategy]:
-    """The strategy class that reads the checkpoint ``path``: the one whose own format it is
-    (`Strategy.owns_checkpoint`), else `Strategy`, whose format is one torch file."""
-    for cls in Strategy.formats:
-        if cls.owns_checkpoint(Path(path)):
-            return cls
-    return Strategy
 
 
 def load_mapped(file: Path) -> Any:

@@ -281,7 +281,7 @@ def deepspeed_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]
     keeps empty placeholders in ``module``; the shapes DeepSpeed records are the whole ones."""
     files = sorted((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
     with weights_only_loads(path):
-        state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+        state = load_mapped(files[0])
     shapes: dict[str, tuple[int, ...]] = {}
     for group in [*(state.get("param_shapes") or []), state.get("frozen_param_shapes") or {}]:
         shapes.update((name, tuple(size)) for name, size in group.items())
@@ -449,11 +449,8 @@ class DeepSpeedStrategy(Strategy):
 
     name = "deepspeed"
 
-    @classmethod
-    def wraps(cls, model: Any) -> bool:
-        """Checked by class name, so that DeepSpeed is never imported just to ask."""
-        return any(c.__name__ in ("DeepSpeedEngine", "MMDeepSpeedEngineWrapper")
-                   for c in type(model).__mro__)
+    # DeepSpeed's engine by name, so that DeepSpeed is never imported just to ask
+    WRAPPERS = (MMDeepSpeedEngineWrapper, "DeepSpeedEngine")
     WRITER_RANK = re.compile(r"zero_pp_rank_(\d+)_")  # each rank's partition files
     OPTIONS = {
         "zero_stage": None,  # 0 | 1 | 2 | 3
