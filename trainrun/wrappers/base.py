@@ -201,8 +201,7 @@ class Strategy(ABC):
     @classmethod
     def read_state(cls, path: Path) -> dict[str, Any]:
         """The whole checkpoint as one plain state (model, optimiser, the runner's state)."""
-        with refusing_unsafe(path):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return load_torch_file(path)
 
     @classmethod
     def read_weights(cls, path: Path) -> dict[str, torch.Tensor]:
@@ -335,25 +334,35 @@ def load_state_file(path: str) -> dict[str, Any]:
 
 
 def load_mapped(file: Path) -> Any:
-    """A torch file's contents with its tensors memory-mapped (their data is not read),
-    refusing anything but tensors and plain containers; a file cut short says so."""
+    """A torch file's contents with its tensors memory-mapped (their data is not read): a cheap
+    look inside, with `load_torch_file`'s refusals."""
+    return load_torch_file(file, mmap=True)
+
+
+def load_torch_file(file: str | os.PathLike, mmap: bool = False) -> Any:
+    """A torch file's contents on the CPU, refusing anything but tensors and plain containers
+    (`refusing_unsafe`); a file whose end is missing is a ValueError naming it as truncated
+    (torch says "[Errno 22] Invalid argument", or a page about zip archives)."""
     with refusing_unsafe(file):
         try:
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except (RuntimeError, OSError) as error:
-            if _cut_short(file):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as error:  # torch's failures on a cut file vary
+            if _cut_short(Path(file)):
                 raise ValueError(f"{file} is truncated: a torch file whose end is missing (its "
                                  f"write did not finish, or the copy was cut short)") from None
-            if not isinstance(error, RuntimeError) or "mmap" not in str(error):
+            if not (mmap and isinstance(error, RuntimeError) and "mmap" in str(error)):
                 raise
         return torch.load(file, map_location="cpu", weights_only=True)  # an older, non-zip file
 
 
 def _cut_short(file: Path) -> bool:
-    """Whether ``file`` begins as a zip archive (what torch writes) but has no end."""
+    """Whether ``file`` begins as a zip archive (what torch writes), or as the first bytes of
+    one, but has no end: empty files included."""
+    if not file.is_file():
+        return False
     with open(file, "rb") as f:
-        begins = f.read(4) == b"PK\x03\x04"
-    return begins and not zipfile.is_zipfile(file)
+        begins = f.read(4)
+    return b"PK\x03\x04".startswith(begins) and not zipfile.is_zipfile(file)
 
 
 @contextlib.contextmanager
