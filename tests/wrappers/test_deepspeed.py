@@ -350,7 +350,7 @@ def test_the_conversion_refuses_a_crafted_partition_and_leaves_nothing(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["iter_4.pth"]  # no copy left beside it
 
 
-def test_the_format_reads_shapes_from_deepspeeds_records_and_names_a_cut_short_file(tmp_path):
+def test_the_format_reads_shapes_from_deepspeeds_records_and_names_cut_short_files(tmp_path):
     checkpoint = tmp_path / "iter_1.pth"
     (checkpoint / TAG).mkdir(parents=True)
     torch.save({"meta": {"iter": 1}}, checkpoint / TRAIN_STATE)
@@ -361,6 +361,11 @@ def test_the_format_reads_shapes_from_deepspeeds_records_and_names_a_cut_short_f
     assert checkpoint_format(checkpoint) is DeepSpeedStrategy
     DeepSpeedStrategy.look_inside(checkpoint)
     assert DeepSpeedStrategy.model_shapes(checkpoint) == {"w": (5, 2), "mean": (3,)}
+    optim = checkpoint / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {}}, optim)
+    optim.write_bytes(optim.read_bytes()[:-30])
+    with pytest.raises(ValueError, match=rf"{optim.name} is truncated"):
+        DeepSpeedStrategy.read_weights(checkpoint)  # export's and load_from's reading
     states.write_bytes(states.read_bytes()[:-30])
     for read in (DeepSpeedStrategy.look_inside, DeepSpeedStrategy.model_shapes):
         with pytest.raises(ValueError, match=r"mp_rank_00_model_states\.pt is truncated"):

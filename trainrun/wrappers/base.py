@@ -347,22 +347,23 @@ def load_torch_file(file: str | os.PathLike, mmap: bool = False) -> Any:
         try:
             return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as error:  # torch's failures on a cut file vary
-            if _cut_short(Path(file)):
-                raise ValueError(f"{file} is truncated: a torch file whose end is missing (its "
-                                 f"write did not finish, or the copy was cut short)") from None
+            refuse_truncated(Path(file))
             if not (mmap and isinstance(error, RuntimeError) and "mmap" in str(error)):
                 raise
         return torch.load(file, map_location="cpu", weights_only=True)  # an older, non-zip file
 
 
-def _cut_short(file: Path) -> bool:
-    """Whether ``file`` begins as a zip archive (what torch writes), or as the first bytes of
-    one, but has no end: empty files included."""
+def refuse_truncated(file: Path) -> None:
+    """A ValueError naming ``file`` as truncated if it begins as a zip archive (what torch
+    writes), or as the first bytes of one, but has no end (an empty file included); only its
+    first bytes and its end are read."""
     if not file.is_file():
-        return False
+        return
     with open(file, "rb") as f:
         begins = f.read(4)
-    return b"PK\x03\x04".startswith(begins) and not zipfile.is_zipfile(file)
+    if b"PK\x03\x04".startswith(begins) and not zipfile.is_zipfile(file):
+        raise ValueError(f"{file} is truncated: a torch file whose end is missing (its write "
+                         f"did not finish, or the copy was cut short)")
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from trainrun.wrappers.base import (
     fsync_and_hash,
     load_mapped,
     load_state_file,
+    refuse_truncated,
     refusing_unsafe,
     save_state_file,
 )
@@ -269,6 +270,8 @@ def weights_only_loads(path: str | os.PathLike) -> Any:
 def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The whole model's fp32 weights, plain keys, from a ZeRO 1-3 checkpoint directory (no
     process group needed): what ``load_from`` reads into any strategy."""
+    for file in sorted((Path(path) / TAG).glob("*.pt")):
+        refuse_truncated(file)  # where DeepSpeed's reading would say "[Errno 22] ..."
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with weights_only_loads(path):
