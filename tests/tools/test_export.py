@@ -116,6 +116,8 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
     (tmp_path / "plain_dir").mkdir()
     damaged = shutil.copytree(work_dir, tmp_path / "damaged")
     flip_byte(damaged / "checkpoints" / "iter_4.pth")
+    truncated = tmp_path / "truncated.pth"  # no manifest beside it: only its reading can tell
+    truncated.write_bytes(checkpoint.read_bytes()[:checkpoint.stat().st_size // 2])
     cases = [
         ([str(tmp_path / "missing.pth"), str(tmp_path / "a.safetensors")], "missing.pth"),
         ([str(checkpoint), str(existing)], "--force"),
@@ -125,6 +127,7 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
         ([str(checkpoint), str(tmp_path / "d.pt"), "--dtype", "fp8"], "--dtype"),
         ([str(damaged), str(tmp_path / "e.pt")], f"{damaged}/checkpoints/iter_4.pth is "
          "damaged: iter_4.pth: sha256 mismatch (against iter_4.pth.sha256)"),
+        ([str(truncated), str(tmp_path / "f.pt")], f"{truncated} is truncated"),
     ]
     for argv, needle in cases:
         assert main(argv) == 2, argv
@@ -133,5 +136,6 @@ def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
         assert "Traceback" not in err
     assert existing.read_bytes() == b"keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["crafted.pth", "damaged",
-                                                          "exists.safetensors", "plain_dir"]
+                                                          "exists.safetensors", "plain_dir",
+                                                          "truncated.pth"]
     assert main([str(checkpoint), str(existing), "--force"]) == 0

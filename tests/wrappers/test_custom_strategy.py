@@ -104,6 +104,9 @@ def trained(run_on, tmp_path_factory):
 def test_it_trains_from_a_config_and_resumes_exactly(trained):
     root, _, files = trained
     assert files[0] == files[1] == ["SHA256SUMS", "rank_0.pt", "rank_1.pt"]  # its own format
+    # it resumed from its own checkpoint of step 4 (a restart from step 0 logs the same losses)
+    log = (root / "crashed" / "train.log").read_text()
+    assert re.search(r"resumed from \S+/iter_4\.pth at epoch 1, step 4\n", log), log
     straight, resumed = _losses(root / "straight"), _losses(root / "crashed")
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
 
@@ -111,9 +114,11 @@ def test_it_trains_from_a_config_and_resumes_exactly(trained):
 def test_it_exports_and_shows_in_the_plan_and_checks_its_options(trained, tmp_path,
                                                                   monkeypatch, capsys):
     root, config, _ = trained
-    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the registry line, here
     checkpoint = root / "straight" / "checkpoints" / "iter_12.pth"
     out = tmp_path / "model.safetensors"
+    assert export_tool.main([str(checkpoint), str(out)]) == 2  # unregistered: not a checkpoint
+    assert "not a checkpoint" in capsys.readouterr().err
+    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the registry line, here
     assert export_tool.main([str(checkpoint), str(out)]) == 0
     saved = torch.load(checkpoint / "rank_0.pt", weights_only=True)["model"]
     exported = load_file(out)

@@ -34,6 +34,7 @@ from trainrun.wrappers import (
     SingleDeviceStrategy,
     Strategy,
     build_strategy,
+    checkpoint_format,
     is_model_wrapper,
     parse_losses,
 )
@@ -99,6 +100,29 @@ def test_a_new_strategy_is_one_class_and_one_registry_line(monkeypatch):
     assert isinstance(optimizer, torch.optim.SGD)
     with pytest.raises(TypeError):
         Strategy()  # abstract: setup is required
+
+
+class _Wrapped(nn.Module):
+    """A wrapper that only `_OwnFormat` declares."""
+
+
+class _OwnFormat(SingleDeviceStrategy):
+    name = "own_format"
+    WRAPPERS = (_Wrapped,)
+
+    @classmethod
+    def owns_checkpoint(cls, path: Path) -> bool:
+        return (path / "own.pt").is_file()
+
+
+def test_formats_and_wrappers_are_those_of_the_registered_strategies(tmp_path, monkeypatch):
+    (tmp_path / "own.pt").write_bytes(b"")
+    assert checkpoint_format(tmp_path) is Strategy  # defined, but not registered: not asked
+    assert not is_model_wrapper(_Wrapped())
+    monkeypatch.setitem(STRATEGIES, "own_format", _OwnFormat)
+    assert checkpoint_format(tmp_path) is _OwnFormat
+    assert checkpoint_format(tmp_path / "own.pt") is Strategy  # one torch file
+    assert is_model_wrapper(_Wrapped())
 
 
 # ---------------------------------------------------------------- the model contract

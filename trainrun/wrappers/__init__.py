@@ -1,13 +1,15 @@
 """Model wrappers: one file per strategy, all behind the `Strategy` interface.
 
-Adding a strategy is one new file with a `Strategy` subclass and one line in `STRATEGIES`.
+Adding a strategy is one new file with a `Strategy` subclass and one line in `STRATEGIES`
+(below). Everything outside this package that depends on the strategy (building it, reading
+a checkpoint, telling a wrapper from a plain model) asks the registry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trainrun.wrappers.base import Strategy, checkpoint_format
+from trainrun.wrappers.base import STRATEGIES, Strategy, checkpoint_format
 from trainrun.wrappers.base_model import BaseModel, parse_losses
 from trainrun.wrappers.contracts import ModelContract, OptimWrapperContract, StepOptimWrapper
 from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
@@ -16,13 +18,11 @@ from trainrun.wrappers.fsdp import FSDPStrategy, MMFullyShardedDataParallel
 from trainrun.wrappers.separate_ddp import MMSeparateDistributedDataParallel, SeparateDDPStrategy
 from trainrun.wrappers.single import SingleDeviceStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "none": SingleDeviceStrategy,
-    "ddp": DDPStrategy,
-    "separate_ddp": SeparateDDPStrategy,
-    "deepspeed": DeepSpeedStrategy,
-    "fsdp": FSDPStrategy,
-}
+STRATEGIES["none"] = SingleDeviceStrategy
+STRATEGIES["ddp"] = DDPStrategy
+STRATEGIES["separate_ddp"] = SeparateDDPStrategy
+STRATEGIES["deepspeed"] = DeepSpeedStrategy
+STRATEGIES["fsdp"] = FSDPStrategy
 
 
 def build_strategy(name: str, **options: Any) -> Strategy:
@@ -33,7 +33,8 @@ def build_strategy(name: str, **options: Any) -> Strategy:
 
 
 def is_model_wrapper(model: Any) -> bool:
-    """Whether ``model`` is a registered strategy's wrapper (torch's DDP and FSDP included)."""
+    """Whether ``model`` is a registered strategy's wrapper (torch's DDP and FSDP included):
+    of a class one of them declares in `Strategy.WRAPPERS`."""
     return any(cls.wraps(model) for cls in STRATEGIES.values())
 
 

@@ -1,8 +1,10 @@
-"""The interface every strategy implements, so the runner never cares which one it holds.
+"""The interface every strategy implements, so the runner never cares which one it holds, and
+the registry of strategies.
 
 A strategy takes the plain model, returns it wrapped for its kind of parallelism with its
-optimiser built over the right parameters, and knows how that pair is checkpointed. Adding a
-strategy is one new file with a subclass of `Strategy` and one line in `STRATEGIES`.
+optimiser built over the right parameters, and knows how that pair is checkpointed and how its
+checkpoints are read. Adding a strategy is one new file with a subclass of `Strategy` and one
+line in `STRATEGIES` (trainrun/wrappers/__init__.py fills it with the shipped ones).
 """
 
 from __future__ import annotations
@@ -54,11 +56,25 @@ def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
 
 
 class Strategy(ABC):
-    """How a model is wrapped, stepped and checkpointed for one kind of parallelism."""
+    """How a model is wrapped, stepped and checkpointed for one kind of parallelism.
+
+    A new strategy implements `name` and `setup` (which returns a model meeting
+    `trainrun.wrappers.contracts.ModelContract`), and declares `OPTIONS` and `WRAPPERS`.
+    It may inherit the rest, overriding where it differs: `unwrap`, `model_state_dict` and
+    `load_model_state_dict`; `save_checkpoint`, `save_checkpoint_async` and `load_checkpoint`
+    (one torch file from rank 0) with `WRITER_RANK`; `optim_wrapper` (for an engine that steps
+    its own optimiser); `configure`, `check_config` and `teardown`. A checkpoint format of its
+    own (a directory) overrides the classmethods `owns_checkpoint`, `look_inside`,
+    `read_state`, `read_weights` and `model_shapes`; the runner, the checkpoint manager,
+    export and test find it through `checkpoint_format`, which asks the registered strategies.
+    """
 
     name: ClassVar[str]
     # The options this strategy takes under `strategy:` in the config, with their defaults.
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    # The classes of the model `setup` returns (what `is_model_wrapper` recognises): a class, or
+    # a class's name where importing its library only to ask would cost every run start-up time.
+    WRAPPERS: ClassVar[tuple[type | str, ...]] = ()
     # In a checkpoint of this strategy, the names of the files each rank writes itself: group 1
     # is the writer's rank. Files it does not match (all, if None) are rank 0's.
     WRITER_RANK: ClassVar[re.Pattern[str] | None] = None
@@ -170,17 +186,11 @@ class Strategy(ABC):
     # A strategy whose checkpoints are in a format of its own (a directory) overrides
     # `owns_checkpoint` and the readers below; this default format is one torch file.
 
-    formats: ClassVar[list[type[Strategy]]] = []  # the strategies with a format of their own
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "owns_checkpoint" in cls.__dict__:
-            Strategy.formats.append(cls)
-
     @classmethod
     def owns_checkpoint(cls, path: Path) -> bool:
-        """Whether ``path`` is a checkpoint in this strategy's own format."""
-        return path.is_file()
+        """Whether ``path`` is a checkpoint in this strategy's own format; False (this
+        default): the strategy has none, its checkpoints are `Strategy`'s one torch file."""
+        return False
 
     @classmethod
     def look_inside(cls, path: Path) -> None:
@@ -191,8 +201,7 @@ class Strategy(ABC):
     @classmethod
     def read_state(cls, path: Path) -> dict[str, Any]:
         """The whole checkpoint as one plain state (model, optimiser, the runner's state)."""
-        with refusing_unsafe(path):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return load_torch_file(path)
 
     @classmethod
     def read_weights(cls, path: Path) -> dict[str, torch.Tensor]:
@@ -211,9 +220,11 @@ class Strategy(ABC):
 
     @classmethod
     def wraps(cls, model: Any) -> bool:
-        """Whether ``model`` is this strategy's wrapper (or torch's own that it uses); what
+        """Whether ``model`` is of one of this strategy's `WRAPPERS`; what
         `trainrun.wrappers.is_model_wrapper` asks every registered strategy."""
-        return False
+        names = {c.__name__ for c in type(model).__mro__}
+        return any(wrapper in names if isinstance(wrapper, str) else isinstance(model, wrapper)
+                   for wrapper in cls.WRAPPERS)
 
     def teardown(self) -> None:
         """Release what the strategy holds before the process group goes away."""
@@ -297,6 +308,24 @@ def written_sha256(path: str | os.PathLike) -> str:
     return sha256_of(path)
 
 
+# ---------------------------------------------------------------- the registry
+
+# Every strategy by the name `strategy.type` gives it; trainrun/wrappers/__init__.py registers
+# the shipped ones, one line each. It lives here, beside the interface, so that reading a
+# checkpoint (`load_state_file`) asks it without importing the strategies' files.
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def checkpoint_format(path: str | os.PathLike) -> type[Strategy]:
+    """The strategy class that reads the checkpoint ``path``: the first registered one whose
+    own format it is (`Strategy.owns_checkpoint`), else `Strategy`, whose format is one torch
+    file."""
+    for cls in STRATEGIES.values():
+        if cls.owns_checkpoint(Path(path)):
+            return cls
+    return Strategy
+
+
 def load_state_file(path: str) -> dict[str, Any]:
     """A checkpoint's content, refusing anything but tensors and plain containers; a
     checkpoint of a strategy's own format (a directory) comes back whole, as one plain
@@ -304,35 +333,37 @@ def load_state_file(path: str) -> dict[str, Any]:
     return checkpoint_format(path).read_state(Path(path))
 
 
-def checkpoint_format(path: str | os.PathLike) -> type[Strategy]:
-    """The strategy class that reads the checkpoint ``path``: the one whose own format it is
-    (`Strategy.owns_checkpoint`), else `Strategy`, whose format is one torch file."""
-    for cls in Strategy.formats:
-        if cls.owns_checkpoint(Path(path)):
-            return cls
-    return Strategy
-
-
 def load_mapped(file: Path) -> Any:
-    """A torch file's contents with its tensors memory-mapped (their data is not read),
-    refusing anything but tensors and plain containers; a file cut short says so."""
+    """A torch file's contents with its tensors memory-mapped (their data is not read): a cheap
+    look inside, with `load_torch_file`'s refusals."""
+    return load_torch_file(file, mmap=True)
+
+
+def load_torch_file(file: str | os.PathLike, mmap: bool = False) -> Any:
+    """A torch file's contents on the CPU, refusing anything but tensors and plain containers
+    (`refusing_unsafe`); a file whose end is missing is a ValueError naming it as truncated
+    (torch says "[Errno 22] Invalid argument", or a page about zip archives)."""
     with refusing_unsafe(file):
         try:
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except (RuntimeError, OSError) as error:
-            if _cut_short(file):
-                raise ValueError(f"{file} is truncated: a torch file whose end is missing (its "
-                                 f"write did not finish, or the copy was cut short)") from None
-            if not isinstance(error, RuntimeError) or "mmap" not in str(error):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as error:  # torch's failures on a cut file vary
+            refuse_truncated(Path(file))
+            if not (mmap and isinstance(error, RuntimeError) and "mmap" in str(error)):
                 raise
         return torch.load(file, map_location="cpu", weights_only=True)  # an older, non-zip file
 
 
-def _cut_short(file: Path) -> bool:
-    """Whether ``file`` begins as a zip archive (what torch writes) but has no end."""
+def refuse_truncated(file: Path) -> None:
+    """A ValueError naming ``file`` as truncated if it begins as a zip archive (what torch
+    writes), or as the first bytes of one, but has no end (an empty file included); only its
+    first bytes and its end are read."""
+    if not file.is_file():
+        return
     with open(file, "rb") as f:
-        begins = f.read(4) == b"PK\x03\x04"
-    return begins and not zipfile.is_zipfile(file)
+        begins = f.read(4)
+    if b"PK\x03\x04".startswith(begins) and not zipfile.is_zipfile(file):
+        raise ValueError(f"{file} is truncated: a torch file whose end is missing (its write "
+                         f"did not finish, or the copy was cut short)")
 
 
 @contextlib.contextmanager

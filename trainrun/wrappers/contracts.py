@@ -49,7 +49,10 @@ class StepOptimWrapper(OptimWrapperContract, Protocol):
 
 @runtime_checkable
 class ModelContract(Protocol):
-    """What the loops call on the model a strategy set up."""
+    """What the loops call on the model a strategy set up; they also read ``training``
+    (`torch.nn.Module`'s flag; not declared here, as `issubclass` takes only methods). A model
+    that reduces gradients in backward may also offer ``no_sync()``, a context without that
+    reduction, which the runner's `OptimWrapper` enters on steps that only accumulate."""
 
     def train_step(self, data: Any, optim_wrapper: OptimWrapperContract) -> dict[str, Tensor]:
         """One training step on ``data`` (already on the device): forward, loss, and

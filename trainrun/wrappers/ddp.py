@@ -98,9 +98,7 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    @classmethod
-    def wraps(cls, model: Any) -> bool:
-        return isinstance(model, DistributedDataParallel)  # MMDistributedDataParallel too
+    WRAPPERS = (DistributedDataParallel,)  # MMDistributedDataParallel too
     OPTIONS = {
         "find_unused_parameters": False,
         "bucket_cap_mb": 25,

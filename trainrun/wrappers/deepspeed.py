@@ -49,6 +49,7 @@ from trainrun.wrappers.base import (
     fsync_and_hash,
     load_mapped,
     load_state_file,
+    refuse_truncated,
     refusing_unsafe,
     save_state_file,
 )
@@ -269,6 +270,8 @@ def weights_only_loads(path: str | os.PathLike) -> Any:
 def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The whole model's fp32 weights, plain keys, from a ZeRO 1-3 checkpoint directory (no
     process group needed): what ``load_from`` reads into any strategy."""
+    for file in sorted((Path(path) / TAG).glob("*.pt")):
+        refuse_truncated(file)  # where DeepSpeed's reading would say "[Errno 22] ..."
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with weights_only_loads(path):
@@ -281,7 +284,7 @@ def deepspeed_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]
     keeps empty placeholders in ``module``; the shapes DeepSpeed records are the whole ones."""
     files = sorted((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
     with weights_only_loads(path):
-        state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+        state = load_mapped(files[0])
     shapes: dict[str, tuple[int, ...]] = {}
     for group in [*(state.get("param_shapes") or []), state.get("frozen_param_shapes") or {}]:
         shapes.update((name, tuple(size)) for name, size in group.items())
@@ -449,11 +452,8 @@ class DeepSpeedStrategy(Strategy):
 
     name = "deepspeed"
 
-    @classmethod
-    def wraps(cls, model: Any) -> bool:
-        """Checked by class name, so that DeepSpeed is never imported just to ask."""
-        return any(c.__name__ in ("DeepSpeedEngine", "MMDeepSpeedEngineWrapper")
-                   for c in type(model).__mro__)
+    # DeepSpeed's engine by name, so that DeepSpeed is never imported just to ask
+    WRAPPERS = (MMDeepSpeedEngineWrapper, "DeepSpeedEngine")
     WRITER_RANK = re.compile(r"zero_pp_rank_(\d+)_")  # each rank's partition files
     OPTIONS = {
         "zero_stage": None,  # 0 | 1 | 2 | 3

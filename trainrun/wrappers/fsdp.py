@@ -223,10 +223,39 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def check_metadata(path: str | os.PathLike) -> Any:
-    """Refuse a checkpoint directory whose metadata would run code when unpickled; returns
-    the metadata (DCP's record of every saved entry's shape and dtype)."""
-    with open(Path(path) / ".metadata", "rb") as f:
-        return _MetadataUnpickler(f).load()
+    """Refuse a checkpoint directory whose metadata would run code when unpickled, or whose
+    metadata or shard files were cut short (nothing but their sizes is read); returns the
+    metadata (DCP's record of every saved entry's shape, dtype and place in the shards)."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (EOFError, pickle.UnpicklingError) as error:
+        if isinstance(error, EOFError) or "truncated" in str(error):
+            raise ValueError(f"{file} is truncated: its pickle ends early (its write did not "
+                             "finish, or the copy was cut short)") from None
+        raise pickle.UnpicklingError(f"{file}: {error}") from None
+    except (AttributeError, IndexError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file}: not readable checkpoint metadata (written by something "
+                         f"else, or damaged; {type(error).__name__})") from None
+    _check_shard_sizes(Path(path), metadata)
+    return metadata
+
+
+def _check_shard_sizes(path: Path, metadata: Any) -> None:
+    """Refuse shard files shorter than the bytes the metadata records in them."""
+    ends: dict[str, int] = {}
+    for place in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[place.relative_path] = max(ends.get(place.relative_path, 0),
+                                        place.offset + place.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing: the checkpoint's metadata records "
+                             f"{end} bytes in it")
+        if file.stat().st_size < end:
+            raise ValueError(f"{file} is truncated: {file.stat().st_size} bytes, the "
+                             f"checkpoint's metadata records {end}")
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -310,13 +339,9 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
 
-    @classmethod
-    def wraps(cls, model: Any) -> bool:
-        """trainrun's wrapper, and torch's fully sharded modules of both generations."""
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-        return isinstance(model, (MMFullyShardedDataParallel, FSDPModule,
-                                  FullyShardedDataParallel))
+    # trainrun's wrapper, and torch's fully sharded modules of both generations (by name: see
+    # the note on imports at the top)
+    WRAPPERS = (MMFullyShardedDataParallel, "FSDPModule", "FullyShardedDataParallel")
     WRITER_RANK = re.compile(r"^__(\d+)[_.]")  # DCP's shards: __<rank>_<n>.distcp
     OPTIONS = {
         "sharding": "full",

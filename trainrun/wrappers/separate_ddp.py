@@ -84,9 +84,7 @@ class SeparateDDPStrategy(Strategy):
 
     name = "separate_ddp"
 
-    @classmethod
-    def wraps(cls, model: Any) -> bool:
-        return isinstance(model, MMSeparateDistributedDataParallel)
+    WRAPPERS = (MMSeparateDistributedDataParallel,)
     OPTIONS = {"broadcast_buffers": False, "find_unused_parameters": False}
 
     def setup(self, model: nn.Module, device: torch.device,
