@@ -299,7 +299,7 @@ def test_init_dist_rejects_unknown_launchers(launcher: str) -> None:
 
 @pytest.mark.parametrize("backend", ["ucc", "GLOO", ""])
 def test_init_dist_rejects_unknown_backends(backend: str) -> None:
-    with pytest.raises(ValueError, match="backend must be one of nccl, gloo, mpi, auto"):
+    with pytest.raises(ValueError, match="backend must be one of auto, nccl, gloo, mpi"):
         init_dist("pytorch", backend)
 
 

@@ -20,9 +20,9 @@ from trainrun.dist.info import _set_local_group, get_world_size, is_distributed
 from trainrun.dist.slurm import expand_nodelist, expand_tasks_per_node
 from trainrun.dist.timeouts import named_operation, set_timeout, to_timedelta
 
-LAUNCHERS = ("pytorch", "slurm", "mpi")
+LAUNCHERS = ("pytorch", "slurm", "mpi")  # those that join a job (the config adds 'none')
 STARTERS = {"pytorch": "torchrun", "slurm": "srun", "mpi": "mpirun"}  # each launcher's program
-BACKENDS = ("nccl", "gloo", "mpi", "auto")
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DEFAULT_PORT = 29500
 
 
