@@ -126,7 +126,7 @@ def _checkpoints(cfg: Mapping[str, Any]) -> str:
     keep = "all" if ckpt["max_keep"] == -1 else str(ckpt["max_keep"])
     best = (f"best by {ckpt['save_best']} ({ckpt['best_rule']})" if ckpt["save_best"]
             else "no best")
-    return f"{every}, keep {keep}, save last: {str(ckpt['save_last']).lower()}, {best}"
+    return f"{every}, keep {keep}, save last: {_show(ckpt['save_last'])}, {best}"
 
 
 def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None,
