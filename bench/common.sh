@@ -24,8 +24,8 @@ install_mmengine() {
     fi
 }
 
-free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_port() {  # trainrun's own (run from the repository's root, so trainrun imports)
+    "$PY" -c 'from trainrun.dist.launch import free_port; print(free_port())'
 }
 
 # One thread per rank: two ranks share the two cores of a laptop-sized machine.

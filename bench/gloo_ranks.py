@@ -4,7 +4,6 @@ they measure (square ``Linear`` layers, so its size is set exactly)."""
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from trainrun.dist.launch import free_port
 from trainrun.wrappers.base_model import BaseModel
 
 
@@ -25,12 +25,6 @@ class Layers(BaseModel):
 
     def forward(self, batch: Tensor, mode: str = "loss") -> dict[str, Tensor]:
         return {"loss": self.net(batch).pow(2).mean()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, body: Callable[..., Any], args: tuple,
@@ -51,6 +45,6 @@ def run_on_ranks(world_size: int, body: Callable[..., Any], *args: Any) -> list[
     in rank order. ``body`` must be a module-level function."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(world_size, _free_port(), body, args, results), nprocs=world_size,
+    mp.spawn(_worker, args=(world_size, free_port(), body, args, results), nprocs=world_size,
              join=True)
     return [results[rank] for rank in range(world_size)]

@@ -19,9 +19,8 @@ fi
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || command -v python3 )}
-PORT=${PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
-
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PORT=${PORT:-$("$PYTHON" -c 'from trainrun.dist.launch import free_port; print(free_port())')}
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
     --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$PORT" \

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from trainrun.cli.metrics import Series, read_run
+from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.files import replacing
 
 
@@ -79,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = {name: read_run(d) for name, d in zip(names, args.run_dirs, strict=True)}
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     titles = panels(runs, args.keys)
     if not titles:
         print(f"error: --keys: none of {args.keys} was logged by these runs", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     plot(runs, titles, args.output)
     print(f"wrote {args.output} ({len(titles)} panels, {len(runs)} runs)")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from trainrun.dist import DistInitError, DistTimeoutError, infer_launcher, init_
 from trainrun.dist.launch import (
     DEFAULT_PORT,
     LaunchEnv,
+    announced_rank,
+    announced_world_size,
+    launch_env,
     mpi_env,
     pytorch_env,
     resolve_backend,
@@ -258,6 +261,27 @@ def test_infer_launcher(monkeypatch: pytest.MonkeyPatch, variables: dict[str, st
     assert infer_launcher() == launcher
 
 
+# --- what a dry run reads -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("launcher", "variables", "size_var"), [
+    ("pytorch", TORCHRUN, "WORLD_SIZE"), ("slurm", SRUN_TASK, "SLURM_NTASKS"),
+    ("mpi", OPEN_MPI, "OMPI_COMM_WORLD_SIZE"), ("mpi", MPICH, "PMI_SIZE"),
+])
+def test_the_announced_rank_and_size_are_what_joining_reads(
+        monkeypatch: pytest.MonkeyPatch, launcher: str, variables: dict[str, str],
+        size_var: str) -> None:
+    set_env(monkeypatch, {**variables, "MASTER_ADDR": "10.0.0.1"})  # MPICH's two nodes
+    joined = launch_env(launcher)
+    assert announced_world_size(launcher) == (joined.world_size, size_var)
+    assert announced_rank(launcher) == joined.rank
+
+
+@pytest.mark.parametrize("launcher", ["pytorch", "slurm", "mpi", "none"])
+def test_nothing_is_announced_without_the_launchers_variables(launcher: str) -> None:
+    assert announced_world_size(launcher) is None and announced_rank(launcher) is None
+
+
 # --- init_dist's checks before joining ------------------------------------------------------
 
 
@@ -275,7 +299,7 @@ def test_init_dist_rejects_unknown_launchers(launcher: str) -> None:
 
 @pytest.mark.parametrize("backend", ["ucc", "GLOO", ""])
 def test_init_dist_rejects_unknown_backends(backend: str) -> None:
-    with pytest.raises(ValueError, match="backend must be one of nccl, gloo, mpi, auto"):
+    with pytest.raises(ValueError, match="backend must be one of auto, nccl, gloo, mpi"):
         init_dist("pytorch", backend)
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.slurm_cluster import SlurmCluster, free_port
-from trainrun.dist.launch import slurm_port
+from tests.slurm_cluster import SlurmCluster
+from trainrun.dist.launch import free_port, slurm_port
 
 pytestmark = pytest.mark.slow
 

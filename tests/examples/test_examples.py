@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import free_port
 from trainrun.cli.train import main as train_main
+from trainrun.dist.launch import free_port
 from trainrun.examples import resolve
 from trainrun.examples.digits import DigitsDataset
 from trainrun.examples.tinylm import CharCorpus

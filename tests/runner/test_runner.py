@@ -161,3 +161,23 @@ def test_two_hooks_of_one_class_resume_each_its_own_state(tmp_path):
                  hooks=tallies) as runner:
         runner.train()
     assert [t.total for t in tallies] == [8, 80]  # 4 steps saved, 4 more; not 44 and 80
+
+
+def test_a_first_hook_of_a_class_keeps_the_key_older_checkpoints_used(tmp_path):
+    with _runner(tmp_path, max_iters=4, val=False, checkpoint={"interval": 4},
+                 hooks=[Tally(1), Tally(10)]) as runner:
+        runner.train()
+    saved = torch.load(next((tmp_path / "checkpoints").glob("*.pth")), weights_only=False)
+    assert {k: v for k, v in saved["hooks"].items() if k.startswith("Tally")} == \
+        {"Tally": {"total": 4}, "Tally#2": {"total": 40}}
+
+
+class Mine(Hook):
+    """A user's hook that sets no priority."""
+
+
+def test_after_a_step_the_hooks_run_in_the_order_hooks_base_states(tmp_path):
+    with _runner(tmp_path, max_iters=4, hooks=[Mine()]) as runner:
+        order = [type(hook).__name__ for hook in runner.hooks]
+    assert order == ["IterTimerHook", "LoggerHook", "ValidationHook", "Mine", "CheckpointHook",
+                     "PreemptionHook"]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.procs import free_port
-from tests.tools.test_train_cli import CONFIG, TRAIN, _alive, descendants, env, train_records
+from tests.tools.test_train_cli import CONFIG, TRAIN, env, train_records
+from trainrun.cli.processes import alive, descendants
 from trainrun.examples.digits import DigitsMLP
 
 NPROC = 2
@@ -172,7 +173,7 @@ def test_a_partition_ends_both_sides_and_resume_continues_exactly(two_nodes, tmp
             if job.poll() is None:
                 os.killpg(job.pid, 9)
     assert len(workers) == 2 * NPROC
-    assert not [pid for pid in workers if _alive(pid)], "workers left running after the cut"
+    assert not [pid for pid in workers if alive(pid)], "workers left running after the cut"
     (seconds0, code0, err0), (seconds1, code1, err1) = ended
     assert code0 != 0 and code1 != 0
     assert max(seconds0, seconds1) < timeout + 60, (seconds0, seconds1)

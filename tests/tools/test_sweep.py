@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.slurm_cluster import client_env
-from tests.tools.test_train_cli import CONFIG, REPO, descendants, env, run, train_records
+from tests.tools.test_train_cli import CONFIG, REPO, env, run, train_records
 from trainrun.cli import sweep as sweep_module
+from trainrun.cli.processes import descendants
 from trainrun.cli.sweep import (
     Sweep,
     make_points,

@@ -384,15 +384,6 @@ def _worker_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie that nobody reaped yet does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 ONE_EPOCH = ["schedule.max_epochs=1", "logging.interval=5", "checkpoint.interval=1"]
 
 

@@ -25,15 +25,14 @@ from tests.tools.test_train_cli import (
     SHORT,
     SLOW,
     TRAIN,
-    _alive,
     _kill_tree,
     _worker_pid,
-    descendants,
     env,
     run,
     torchrun,
     train_records,
 )
+from trainrun.cli.processes import alive, descendants
 
 straight_run = test_train_cli.straight_run  # the uninterrupted run, a module fixture here too
 
@@ -58,7 +57,7 @@ def test_a_job_into_a_run_directory_an_old_copy_still_writes_refuses_then_takes_
         while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
             assert old.poll() is None, "the old copy ended before iter_10.pth"
             time.sleep(0.02)
-        workers = [pid for pid in descendants(old.pid) if _alive(pid)]
+        workers = [pid for pid in descendants(old.pid) if alive(pid)]
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         holder = json.loads((tmp_path / "run.lock").read_text())
@@ -78,7 +77,7 @@ def test_a_job_into_a_run_directory_an_old_copy_still_writes_refuses_then_takes_
             re.search(r"tasks? [-01]+: Exited with exit code 2", log), log[-3000:]
         assert f"is in use by another job (host {holder['host']}, pid {holder['pid']}, " \
                f"since {holder['since']}; lease renewed" in log, log[-3000:]
-        assert old.poll() is None and all(_alive(pid) for pid in workers)
+        assert old.poll() is None and all(alive(pid) for pid in workers)
     finally:
         _kill_tree(old.pid)
         old.wait()
@@ -133,7 +132,7 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
         assert frozen is not None and other is not None, "the workers' processes not found"
         os.kill(frozen, signal.SIGSTOP)
         stopped = time.monotonic()
-        while _alive(other) and time.monotonic() - stopped < 90:
+        while alive(other) and time.monotonic() - stopped < 90:
             time.sleep(0.05)
         ended = time.monotonic() - stopped
         os.kill(frozen, signal.SIGKILL)
@@ -169,13 +168,13 @@ def test_workers_of_a_killed_torchrun_stop_and_resume_exactly(tmp_path, straight
         assert None not in workers, "a worker's process not found"
         os.kill(proc.pid, signal.SIGKILL)  # torchrun alone: its workers live in other sessions
         killed = time.monotonic()
-        while any(_alive(pid) for pid in workers) and time.monotonic() - killed < 60:
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed < 60:
             time.sleep(0.05)
         stopped = time.monotonic() - killed
         _, err = proc.communicate(timeout=30)  # the workers held the pipes
     finally:
         for pid in filter(None, workers):
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert stopped < 60, f"the workers of a dead torchrun were still training after {stopped:.0f} s"
     lines = [line for line in err.splitlines() if "stopping: its launcher (torchrun, pid" in line]
@@ -295,12 +294,12 @@ def _kill_launcher_after_checkpoint(cmd: list[str], work_dir: Path, env_: dict[s
         assert len(workers) == 2, workers
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
-        while any(_alive(pid) for pid in workers) and time.monotonic() - killed < 60:
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed < 60:
             time.sleep(0.05)
         return time.monotonic() - killed
     finally:
         for pid in workers:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
         assert max(r["step"] for r in train_records(work_dir)) < 2000  # it landed mid-run

@@ -17,6 +17,7 @@ from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import rehash
 from tests.tools.test_train_cli import CONFIG, REPO, env, run
 from trainrun.cli import verify_resume as vr
+from trainrun.cli.processes import alive
 
 # ---------------------------------------------------------------- end to end
 
@@ -243,16 +244,9 @@ def test_kill_tree_reaches_children_in_sessions_of_their_own():
     vr.kill_tree(proc.pid)
     assert proc.wait(timeout=10) == -signal.SIGKILL
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in tree):
+    while any(alive(pid) for pid in tree):
         assert time.monotonic() < deadline, "a process of the tree survived"
         time.sleep(0.01)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return "Z"
 
 
 def test_the_job_is_killed_once_last_appears_or_left_to_end(tmp_path):

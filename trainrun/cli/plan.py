@@ -6,36 +6,28 @@ is initialised and nothing is written.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainrun.dist import get_device
-from trainrun.dist.launch import STARTERS, resolve_backend
+from trainrun.dist.launch import (
+    STARTERS,
+    WORLD_SIZE_VARS,
+    announced_rank,
+    announced_world_size,
+    resolve_backend,
+)
+from trainrun.dist.text import show
 from trainrun.runner.sampler import batches_per_epoch
-
-# The variables each launcher announces the world size and this process's rank in.
-WORLD_SIZE_VARS = {"pytorch": ("WORLD_SIZE",), "slurm": ("SLURM_NTASKS",),
-                   "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
-RANK_VARS = {"pytorch": ("RANK",), "slurm": ("SLURM_PROCID",),
-             "mpi": ("OMPI_COMM_WORLD_RANK", "PMI_RANK")}
-
-
-def _env_int(names: tuple[str, ...]) -> tuple[int, str] | None:
-    for name in names:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value), name
-    return None
 
 
 def env_world_size(launcher: str) -> tuple[int, str]:
     """The world size ``launcher``'s variables announce, and a note on where it came from."""
     if launcher not in WORLD_SIZE_VARS:
         return 1, "launcher none"
-    found = _env_int(WORLD_SIZE_VARS[launcher])
+    found = announced_world_size(launcher)
     if found is None:
         names = " / ".join(WORLD_SIZE_VARS[launcher])
         return 1, f"{names} not set: not started by {STARTERS[launcher]}; showing 1"
@@ -44,14 +36,11 @@ def env_world_size(launcher: str) -> tuple[int, str]:
 
 def env_rank(launcher: str) -> int:
     """This process's rank as ``launcher``'s variables announce it (0 when they do not)."""
-    found = _env_int(RANK_VARS.get(launcher, ()))
-    return found[0] if found else 0
+    return announced_rank(launcher) or 0
 
 
 def _show(value: Any) -> str:
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    return str(value)
+    return value if isinstance(value, str) else show(value)  # a plan's strings go unquoted
 
 
 def _options(options: Mapping[str, Any]) -> str:
@@ -137,7 +126,7 @@ def _checkpoints(cfg: Mapping[str, Any]) -> str:
     keep = "all" if ckpt["max_keep"] == -1 else str(ckpt["max_keep"])
     best = (f"best by {ckpt['save_best']} ({ckpt['best_rule']})" if ckpt["save_best"]
             else "no best")
-    return f"{every}, keep {keep}, save last: {str(ckpt['save_last']).lower()}, {best}"
+    return f"{every}, keep {keep}, save last: {_show(ckpt['save_last'])}, {best}"
 
 
 def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None,

@@ -20,9 +20,9 @@ from trainrun.dist.info import _set_local_group, get_world_size, is_distributed
 from trainrun.dist.slurm import expand_nodelist, expand_tasks_per_node
 from trainrun.dist.timeouts import named_operation, set_timeout, to_timedelta
 
-LAUNCHERS = ("pytorch", "slurm", "mpi")
+LAUNCHERS = ("pytorch", "slurm", "mpi")  # those that join a job (the config adds 'none')
 STARTERS = {"pytorch": "torchrun", "slurm": "srun", "mpi": "mpirun"}  # each launcher's program
-BACKENDS = ("nccl", "gloo", "mpi", "auto")
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DEFAULT_PORT = 29500
 
 
@@ -196,6 +196,34 @@ def mpi_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
 
 
 _LAUNCHER_ENVS = {"pytorch": pytorch_env, "slurm": slurm_env, "mpi": mpi_env}
+
+# The variables in which each launcher announces the world size and this process's rank, as
+# the readers above take them (the first one set counts: Open MPI's before MPICH's).
+WORLD_SIZE_VARS = {"pytorch": ("WORLD_SIZE",), "slurm": ("SLURM_NTASKS",),
+                   "mpi": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")}
+RANK_VARS = {"pytorch": ("RANK",), "slurm": ("SLURM_PROCID",),
+             "mpi": ("OMPI_COMM_WORLD_RANK", "PMI_RANK")}
+
+
+def _first_int(names: tuple[str, ...]) -> tuple[int, str] | None:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value), name
+    return None
+
+
+def announced_world_size(launcher: str) -> tuple[int, str] | None:
+    """The world size ``launcher``'s variables announce and the variable that says it (None
+    when none is set, or for launcher 'none'). Unlike `launch_env` this checks nothing else and
+    never asks MPI: what a dry run can show."""
+    return _first_int(WORLD_SIZE_VARS.get(launcher, ()))
+
+
+def announced_rank(launcher: str) -> int | None:
+    """This process's rank as ``launcher``'s variables announce it (None when they do not)."""
+    found = _first_int(RANK_VARS.get(launcher, ()))
+    return None if found is None else found[0]
 
 
 def launch_env(launcher: str, **kwargs: Any) -> LaunchEnv:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from torch.distributed import ProcessGroup
 
 from trainrun.dist.heartbeat import phase
+from trainrun.dist.text import first_line
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -86,5 +87,5 @@ def named_operation(name: str, group: ProcessGroup | None = None) -> Iterator[No
         raise DistTimeoutError(
             f"{name} timed out after {seconds:g} s on {where}: another rank did not take part "
             f"(it may have crashed, hung, or be waiting in a different collective). "
-            f"Backend said: {str(exc).strip().splitlines()[0]}"
+            f"Backend said: {first_line(exc)}"
         ) from exc

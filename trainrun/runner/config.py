@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.optim import Optimizer
 
+from trainrun.dist import launch
 from trainrun.dist.text import closest, is_int, is_number, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.runner.optim import PRECISIONS
@@ -34,8 +35,7 @@ from trainrun.wrappers import STRATEGIES
 
 log = logging.getLogger("trainrun")
 
-LAUNCHERS = ("none", "pytorch", "slurm", "mpi")
-BACKENDS = ("auto", "nccl", "gloo", "mpi")
+LAUNCHERS = ("none", *launch.LAUNCHERS)  # none: one plain process, nothing to join
 LOG_BACKENDS = ("console", "jsonl", "tensorboard")
 # DataLoader options of a data section; the rest (but `type` and `metrics`) goes to the data set
 LOADER_KEYS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory",
@@ -465,7 +465,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "name": (REQUIRED, TEXT),
         "work_dir": (None, nullable(TEXT)),
         "launcher": ("none", choice(*LAUNCHERS)),
-        "backend": ("auto", choice(*BACKENDS)),
+        "backend": ("auto", choice(*launch.BACKENDS)),
         "dist_timeout": (DEFAULT_DIST_TIMEOUT, number(above=0)),
         "strategy": (None, partial(check_strategy, warnings=warnings)),
         "model": (REQUIRED, MODEL),

@@ -60,6 +60,12 @@ class TrainLoop:
         runner.call_hook("after_train")
 
     def run_epoch(self) -> None:
+        """One epoch, or what is left of it. A step, top to bottom: the ``before_train_iter``
+        hooks, the train step, the counters (``runner.iter``, the sampler's cursor, the
+        schedulers), then the ``after_train_iter`` hooks in the order `hooks.base` states: the
+        step's time, its log line, validation where due, your hooks, the checkpoint, and last
+        the check for a stop signal. An epoch that ends calls ``after_train_epoch`` in the
+        same order."""
         runner, loader = self.runner, self.dataloader
         start_epoch(loader, runner.epoch, runner.seed, from_cursor=self.resume_mid_epoch)
         self.resume_mid_epoch = False
