@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from trainrun.cli.metrics import Series, read_run
 from trainrun.cli.sweep.grid import Sweep
 from trainrun.cli.sweep.slurm import active_tasks
 from trainrun.cli.sweep.status import point_state, say
-from trainrun.runner.files import write_atomically
+from trainrun.runner.files import replacing, write_atomically
 
 
 def read_point(work_dir: Path) -> tuple[Series, Series]:
@@ -145,9 +144,8 @@ def plot_bars(path: Path, labels: list[str], quantities: list[Quantity]) -> None
     axes[0][0].set_yticks(range(len(labels)), labels)
     axes[0][0].invert_yaxis()  # the first point on top
     figure.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    figure.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:  # the format follows the suffix, which tmp keeps
+        figure.savefig(tmp, dpi=110)
     plt.close(figure)
 
 
