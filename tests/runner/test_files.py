@@ -60,6 +60,8 @@ def _plot_metrics_tool():
 def test_plots_that_fail_midway_leave_the_old_png(tmp_path, monkeypatch):
     """plot_metrics' curves and the sweep's summary bars: a write that cannot reach the disk
     keeps the old PNG under the name and leaves no temporary beside it."""
+    import matplotlib.pyplot as plt
+
     plot_metrics = _plot_metrics_tool()
     run = tmp_path / "run"
     run.mkdir()
@@ -80,6 +82,7 @@ def test_plots_that_fail_midway_leave_the_old_png(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="No space left"):
             draw(out)
         assert out.read_bytes() == b"old"
+        assert not plt.get_fignums()  # the failed figure is closed too
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
         monkeypatch.undo()
         draw(out)

@@ -144,9 +144,11 @@ def plot_bars(path: Path, labels: list[str], quantities: list[Quantity]) -> None
     axes[0][0].set_yticks(range(len(labels)), labels)
     axes[0][0].invert_yaxis()  # the first point on top
     figure.tight_layout()
-    with replacing(path) as tmp:  # the format follows the suffix, which tmp keeps
-        figure.savefig(tmp, dpi=110)
-    plt.close(figure)
+    try:
+        with replacing(path) as tmp:  # the format follows the suffix, which tmp keeps
+            figure.savefig(tmp, dpi=110)
+    finally:  # a failed write must not keep the figure open
+        plt.close(figure)
 
 
 def write_summary(sweep: Sweep) -> Table:
