@@ -70,4 +70,10 @@ def test_the_installed_package_sweeps_and_verifies_a_resume_outside_the_checkout
     verified = trainrun(env, tmp_path, "verify-resume", str(config), "--steps", "4",
                         "--cfg-options", "data.train.batch_size=128")
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+
+    script = target / "bin" / "trainrun"  # the console script pip wrote, beside the package
+    helped = subprocess.run([str(script), "verify-resume", "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: trainrun verify-resume "), helped.stdout
     assert not (REPO / "build").exists()
