@@ -56,9 +56,11 @@ def plot(runs: dict[str, tuple[Series, Series]], titles: list[str], out: Path) -
     for axis in list(axes.flat)[len(titles):]:
         axis.set_visible(False)
     figure.tight_layout()
-    with replacing(out) as tmp:  # a cut file never replaces a good one
-        figure.savefig(tmp, dpi=110)  # (the format follows the suffix, which tmp keeps)
-    plt.close(figure)
+    try:
+        with replacing(out) as tmp:  # a cut file never replaces a good one
+            figure.savefig(tmp, dpi=110)  # (the format follows the suffix, which tmp keeps)
+    finally:  # a failed write must not keep the figure open
+        plt.close(figure)
 
 
 def run_names(run_dirs: list[Path]) -> list[str]:

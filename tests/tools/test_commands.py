@@ -16,6 +16,15 @@ def test_python_m_trainrun_runs_a_subcommand_under_its_name():
     assert done.stdout.startswith("usage: trainrun verify-resume ")
 
 
+def test_an_error_line_names_the_subcommand_as_it_was_started(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "trainrun", "export", str(tmp_path / "none.pt"),
+                           str(tmp_path / "out.pt")],
+                          capture_output=True, text=True, env=env(), cwd=REPO, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("trainrun export: error: "), done.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_no_subcommand_or_an_unknown_one_is_exit_2_listing_them(capsys):
     assert cli.main([]) == 2
     assert "train " in capsys.readouterr().err

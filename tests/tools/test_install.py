@@ -50,9 +50,12 @@ def test_the_installed_package_sweeps_and_verifies_a_resume_outside_the_checkout
     target, env = installed
     config = tmp_path / "digits.yaml"  # the user's own config file, beside nothing of trainrun
     shutil.copy(REPO / "configs" / "digits_single.yaml", config)
-    where = subprocess.run([sys.executable, "-c", "import trainrun; print(trainrun.__file__)"],
+    where = subprocess.run([sys.executable, "-c", "import trainrun, trainrun.cli.sweep as s; "
+                            "print(trainrun.__file__); print(s.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert Path(where.stdout.strip()).is_relative_to(target), where.stdout + where.stderr
+    files = where.stdout.split()
+    assert len(files) == 2, where.stdout + where.stderr
+    assert all(Path(f).is_relative_to(target) for f in files), files
 
     swept = trainrun(env, tmp_path, "sweep", str(config), "--grid", "optim.lr=1e-3,3e-3",
                      "--work-dir", str(tmp_path / "sweep"), "--cfg-options", *SHORT)
@@ -67,4 +70,10 @@ def test_the_installed_package_sweeps_and_verifies_a_resume_outside_the_checkout
     verified = trainrun(env, tmp_path, "verify-resume", str(config), "--steps", "4",
                         "--cfg-options", "data.train.batch_size=128")
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+
+    script = target / "bin" / "trainrun"  # the console script pip wrote, beside the package
+    helped = subprocess.run([str(script), "verify-resume", "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: trainrun verify-resume "), helped.stdout
     assert not (REPO / "build").exists()

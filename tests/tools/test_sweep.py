@@ -16,22 +16,13 @@ import pytest
 
 from tests.slurm_cluster import client_env
 from tests.tools.test_train_cli import CONFIG, REPO, env, run, train_records
-from trainrun.cli import sweep as sweep_module
 from trainrun.cli.processes import descendants
-from trainrun.cli.sweep import (
-    Sweep,
-    make_points,
-    parse_grid,
-    prepare,
-    short_keys,
-    split_values,
-    write_manifest,
-    write_status,
-    write_summary,
-)
-from trainrun.cli.sweep import (
-    main as sweep_main,
-)
+from trainrun.cli.sweep import local, parser, prepare
+from trainrun.cli.sweep import main as sweep_main
+from trainrun.cli.sweep.grid import Sweep, make_points, parse_grid, short_keys, split_values
+from trainrun.cli.sweep.slurm import sbatch_script, task_main
+from trainrun.cli.sweep.status import write_manifest, write_status
+from trainrun.cli.sweep.summary import write_summary
 
 SWEEP = REPO / "tools" / "sweep.py"
 GRID = ["optim.lr=1e-3,3e-3", "model.hidden=32,64"]
@@ -100,7 +91,7 @@ def test_bad_grids_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, grid
 def test_another_grid_into_the_same_directory_is_refused(tmp_path, capsys):
     work_dir = tmp_path / "sweep"
     grid = ["optim.lr=1e-3,3e-3"]
-    write_manifest(prepare(sweep_module.parser().parse_args(sweep_args(work_dir, grid=grid)),
+    write_manifest(prepare(parser().parse_args(sweep_args(work_dir, grid=grid)),
                            []))
     for other, options in ((["optim.lr=1e-3,1e-2"], SHORT),
                            (grid, [*SHORT, "optim.weight_decay=0"])):
@@ -185,8 +176,8 @@ def test_the_local_loop_goes_on_after_a_failure_and_reruns_only_unfinished_point
     """Every point trains in a process of its own (here a stand-in for tools/train.py): a
     failing point does not stop the others, the sweep exits 1, and a rerun trains only that
     point again, with --resume; a point whose status is removed trains again too."""
-    command = sweep_module.local_command
-    monkeypatch.setattr(sweep_module, "local_command", lambda sweep, point: [
+    command = local.local_command
+    monkeypatch.setattr(local, "local_command", lambda sweep, point: [
         sys.executable, str(STAND_IN), *command(sweep, point)[2:]])
     code = sweep_main(sweep_args(tmp_path))
     out = capsys.readouterr().out
@@ -212,6 +203,24 @@ def test_the_local_loop_goes_on_after_a_failure_and_reruns_only_unfinished_point
     assert len(calls[failed.name]) == len(calls[first.name]) == 2
     assert all(" --resume " in call for c in calls.values() for call in c)
     assert [r["status"] for r in summary_rows(tmp_path)] == ["finished"] * 4
+
+
+def test_the_array_task_runs_through_the_package(tmp_path, capsys):
+    """sweep.sbatch's command (``python -m trainrun.cli.sweep SWEEP_DIR TASK_ID``) reaches the
+    package's task entry, which skips a finished point; a task id past the points is exit 2.
+    (Training under srun is the SLURM test's.)"""
+    write_manifest(prepare(parser().parse_args(sweep_args(tmp_path, grid=["optim.lr=1e-3,3e-3"])),
+                           []))
+    write_status(tmp_path / "digits_ddp-lr=0.001", 0, 1.0)
+    script = tmp_path / "sweep.sbatch"
+    script.write_text(sbatch_script())
+    assert '-m trainrun.cli.sweep "$1" "$SLURM_ARRAY_TASK_ID"' in script.read_text()
+    done = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env={**env(), "SLURM_ARRAY_TASK_ID": "0"})
+    assert done.returncode == 0, done
+    assert "[1/2] lr=0.001: skipped (finished)" in done.stdout
+    assert task_main([str(tmp_path), "2"]) == 2
+    assert "holds no point 2" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- end to end

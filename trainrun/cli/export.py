@@ -111,14 +111,15 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tools/export.py``: returns the exit code (2: bad input, one line on stderr)."""
+    command = parser()
     try:
-        args = parser().parse_args(argv)
+        args = command.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
         counts = export(args.checkpoint, args.out, args.format, args.dtype, args.force)
     except (ValueError, OSError, pickle.UnpicklingError) as error:
-        print(f"export.py: error: {error}", file=sys.stderr)
+        print(f"{command.prog}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     print(f"wrote {args.out} ({output_format(args.out, args.format)}): {counts['tensors']} "
           f"tensors, {counts['elements']:,} values, {counts['bytes'] / 2**20:.1f} MiB")

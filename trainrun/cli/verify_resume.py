@@ -1,9 +1,10 @@
-"""``tools/verify_resume.py``: prove that a config resumes exactly, before a long job.
+"""``trainrun verify-resume`` (``tools/verify_resume.py``): prove that a config resumes
+exactly, before a long job.
 
     python tools/verify_resume.py CONFIG [--nproc N] [--steps S] [--cfg-options KEY=VALUE ...]
                                   [--work-dir DIR] [--keep]
 
-Three runs of ``tools/train.py`` with the same config and options, S steps each: *straight*
+Three runs of ``trainrun train`` with the same config and options, S steps each: *straight*
 through; *interrupted*, SIGKILLed (launcher and workers) as soon as its step-S/2 checkpoint is
 saved; and *resumed* from that checkpoint with ``--resume``. Every step's logged values (the
 loss at full float precision in ``metrics.jsonl``) must be equal with ``==``, steps 1 to S/2
@@ -102,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
                     "checkpoint.interval, logging and resume are set by this tool.")
     p.add_argument("config", metavar="CONFIG", help="the YAML config")
     p.add_argument("--nproc", type=_at_least(1), default=1, metavar="N",
-                   help="processes per run: 1 runs tools/train.py with --launcher none, more "
+                   help="processes per run: 1 runs trainrun train with --launcher none, more "
                         "run it under torchrun with --launcher pytorch (default 1)")
     p.add_argument("--steps", type=_at_least(2), default=20, metavar="S",
                    help="training steps of each run; the kill follows the step-S/2 checkpoint "
@@ -514,7 +515,7 @@ def run_root(plan: Plan) -> tuple[Path, bool]:
 
 
 def _report_failure(error: RunFailed, keep: bool) -> int:
-    """The failed run's own one-line error first (tools/train.py's ``error:`` line: a damaged
+    """The failed run's own one-line error first (``trainrun train``'s ``error:`` line: a damaged
     checkpoint, a bad option), which torchrun's report at the end may push out of the tail;
     then the last lines of its output."""
     # the log's first line is the command
