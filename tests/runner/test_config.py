@@ -305,7 +305,8 @@ BAD_OVERRIDES = [
     (["scheduler.type=cosin"], "scheduler.type: got 'cosin', expected one of"),
     (["scheduler.gamma=0.5"], "scheduler.type: missing"),
     (["scheduler=cosine"], "scheduler: got 'cosine', expected null or a mapping"),
-    (["scheduler.type=step"], "scheduler.step_size: missing, expected an int >= 1"),
+    (["scheduler.type=step"], "scheduler.step_size: missing, expected an int >= 1 "
+                              "(iterations) (scheduler 'step' needs it)"),
     (["scheduler.type=cosine", "scheduler.warmup_iter=5"],
      "unknown key 'scheduler.warmup_iter' for scheduler 'cosine'; "
      "did you mean 'scheduler.warmup_iters'?"),

@@ -23,6 +23,7 @@ from trainrun.runner.schema import (
     Fields,
     bad_value,
     choice,
+    expected_of,
     fields,
     integer,
     nullable,
@@ -94,6 +95,10 @@ def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> di
                 f"unknown key '{key}.{name}' for scheduler {kind!r}"
                 + (f"; did you mean '{key}.{hint}'?" if hint
                    else f"; it takes {', '.join(options) or 'no options'}"))
+    for name, (default, check) in options.items():
+        if default is REQUIRED and name not in given:
+            raise ConfigError(f"{key}.{name}: missing, expected {expected_of(check)} "
+                              f"(scheduler {kind!r} needs it)")
     out = fields(key, given, {**_TYPE, **options})
     if kind in DECAYING:
         if out["min_lr"] is not None and out["min_lr_ratio"] is not None:
