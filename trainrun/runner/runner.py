@@ -302,10 +302,11 @@ class Runner:
     def _section(self, check: Callable[..., dict[str, Any]], key: str,
                  value: Mapping[str, Any] | None) -> dict[str, Any]:
         """A section given to the runner checked and completed by its table, as `from_cfg`'s
-        are already; what the check warns about is logged."""
+        are already; what the check warns about is logged (for a config, `load_config` said
+        it when it read the file)."""
         warnings: list[str] = []
         out = check(key, value, warnings=warnings)
-        for warning in warnings:
+        for warning in warnings if self.cfg is None else ():
             self.logger.warning(warning)
         return out
 
