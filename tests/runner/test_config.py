@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainrun.runner import config as config_module
 from trainrun.runner.builder import optimizer_factory, wrap_optimizers
 from trainrun.runner.config import (
     LOADER_KEYS,
@@ -305,7 +305,8 @@ BAD_OVERRIDES = [
     (["scheduler.type=cosin"], "scheduler.type: got 'cosin', expected one of"),
     (["scheduler.gamma=0.5"], "scheduler.type: missing"),
     (["scheduler=cosine"], "scheduler: got 'cosine', expected null or a mapping"),
-    (["scheduler.type=step"], "scheduler.step_size: missing, expected an int >= 1"),
+    (["scheduler.type=step"], "scheduler.step_size: missing, expected an int >= 1 "
+                              "(iterations) (scheduler 'step' needs it)"),
     (["scheduler.type=cosine", "scheduler.warmup_iter=5"],
      "unknown key 'scheduler.warmup_iter' for scheduler 'cosine'; "
      "did you mean 'scheduler.warmup_iters'?"),
@@ -529,8 +530,8 @@ def test_persistent_workers_with_workers(tmp_path):
 
 
 def test_missing_tensorboard_is_a_warning_not_an_error(tmp_path, monkeypatch):
-    real = config_module.importlib.util.find_spec
-    monkeypatch.setattr(config_module.importlib.util, "find_spec",
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     warnings: list[str] = []
     cfg = load(tmp_path, overrides=["logging.backends=[console,tensorboard,console]"],
@@ -566,3 +567,26 @@ def test_preemption_signals_by_name(tmp_path):
 
 def test_seed_may_be_null(tmp_path):
     assert load(tmp_path, overrides=["randomness.seed=null"]).randomness.seed is None
+
+
+def test_a_runner_built_from_dicts_gets_the_schemas_defaults_and_checks(tmp_path):
+    from trainrun.runner.checkpoint import MAX_KEEP
+    from trainrun.runner.loops import MAX_EPOCHS
+    from trainrun.runner.runner import Runner
+
+    parts = dict(model={"type": "tests.runner.toy.ToyModel"},
+                 train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 8,
+                                   "batch_size": 4},
+                 optim={"type": "SGD", "lr": 0.1}, strategy="none")
+    with Runner(work_dir=tmp_path / "run", **parts) as runner:  # no section given: defaults
+        assert (runner.seed, runner.max_epochs) == (42, MAX_EPOCHS)
+        assert runner.checkpoints.max_keep == MAX_KEEP
+        assert runner.stop_signals == ["SIGTERM", "SIGUSR1"]
+    # a section given as a dict goes through the same table as the config's
+    with pytest.raises(ConfigError, match=r"^unknown key 'checkpoint.max_kep'; "
+                                          r"did you mean 'checkpoint.max_keep'\?$"):
+        Runner(work_dir=tmp_path / "refused", checkpoint={"max_kep": 1}, **parts)
+    with pytest.raises(ConfigError, match=r"^schedule: got both max_epochs \(2\) and max_iters"):
+        Runner(work_dir=tmp_path / "refused", schedule={"max_epochs": 2, "max_iters": 5},
+               **parts)
+    assert not (tmp_path / "refused").exists()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,13 +14,34 @@ from torch.utils.data import DataLoader
 
 from trainrun.dist.text import first_line
 from trainrun.examples import resolve
-from trainrun.runner.config import DEFAULT_BATCH_SIZE, LOADER_KEYS, WRAPPER_KEYS, ConfigError
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
+from trainrun.runner.optim import WRAPPER_KEYS, OptimWrapper, OptimWrapperDict, build_optimizer
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
+from trainrun.runner.schema import (
+    BOOL,
+    REQUIRED,
+    TEXT,
+    Check,
+    ConfigError,
+    Fields,
+    bad_value,
+    expects,
+    fields,
+    integer,
+    join,
+    names,
+    nullable,
+    rule,
+    section,
+)
 from trainrun.runner.seed import seed_worker
 from trainrun.wrappers.base import Optimizers
+
+DEFAULT_BATCH_SIZE = 32
+# DataLoader options of a data section; the rest (but `type` and `metrics`) goes to the data set
+LOADER_KEYS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory",
+               "persistent_workers")
 
 
 def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -106,11 +129,11 @@ def check_types(cfg: Mapping[str, Any]) -> None:
     """Import every class the config names (model, data sets, metrics) without building any,
     so that a misspelt or missing one is a ConfigError naming its key before anything runs."""
     _resolved("model.type", "model", cfg["model"]["type"])
-    for split, section in (cfg.get("data") or {}).items():
-        if not section:
+    for split, loader in (cfg.get("data") or {}).items():
+        if not loader:
             continue
-        _resolved(f"data.{split}.type", "dataset", section["type"])
-        for name in section.get("metrics") or []:
+        _resolved(f"data.{split}.type", "dataset", loader["type"])
+        for name in loader.get("metrics") or []:
             _resolved(f"data.{split}.metrics", "metric", name)
 
 
@@ -167,3 +190,52 @@ def wrap_optimizers(optimizer: Optimizers, cfg: Mapping[str, Any], precision: st
         return OptimWrapperDict({name: wrap(opt, per_module.get(name))
                                  for name, opt in optimizer.items()})
     return wrap(optimizer, None)
+
+
+# ---------------------------------------------------------------- the model and data sections
+
+TYPE_NAME = rule("a non-empty string (a registered name or a dotted import path)",
+                 lambda v: isinstance(v, str) and v.strip() != "")
+MODEL = expects("a mapping with a 'type'", section({"type": (REQUIRED, TYPE_NAME)}, open_=True))
+
+
+def loader_table(split: str) -> Fields:
+    table: Fields = {
+        "type": (REQUIRED, TYPE_NAME),
+        "batch_size": (DEFAULT_BATCH_SIZE, integer(1)),
+        "num_workers": (0, integer(0)),
+        "shuffle": (split == "train", BOOL),
+        "drop_last": (False, BOOL),
+        "pin_memory": (False, BOOL),
+        "persistent_workers": (False, BOOL),
+    }
+    if split != "train":
+        table["metrics"] = (None, nullable(names(TEXT)))
+    return table
+
+
+def check_loader(key: str, value: Any, split: str, warnings: list[str]) -> dict[str, Any]:
+    """A data section: the data set's type, its DataLoader options and any data set kwargs."""
+    if split == "train" and isinstance(value, Mapping) and "metrics" in value:
+        raise bad_value(f"{key}.metrics", value["metrics"],
+                        "no metrics on the train section (they belong under data.val or data.test)")
+    out = fields(key, value, loader_table(split), open_=True)
+    if out["persistent_workers"] and out["num_workers"] == 0:
+        raise bad_value(f"{key}.persistent_workers", True, f"false when {key}.num_workers is 0")
+    for name in out:
+        if name not in loader_table(split):
+            hint = difflib.get_close_matches(str(name), LOADER_KEYS, n=1, cutoff=0.8)
+            if hint:
+                warnings.append(f"{join(key, name)} is passed to the data set; "
+                                f"did you mean '{join(key, hint[0])}'?")
+    return out
+
+
+def check_data(key: str, value: Any, mode: str, warnings: list[str]) -> dict[str, Any]:
+    def split(name: str) -> tuple[Any, Check]:
+        check = expects("a data section with a 'type'",
+                        partial(check_loader, split=name, warnings=warnings))
+        needed = (mode == "train" and name == "train") or (mode == "test" and name == "test")
+        return (REQUIRED, check) if needed else (None, nullable(check))
+
+    return fields(key, value, {name: split(name) for name in ("train", "val", "test")})

@@ -31,7 +31,6 @@ from trainrun.dist import (
     get_rank,
     is_main_process,
 )
-from trainrun.runner.config import DEFAULT_MAX_KEEP
 from trainrun.runner.files import TMP_PREFIX, fsync_dir, write_atomically
 from trainrun.runner.manifest import (
     DamagedCheckpoint,
@@ -45,6 +44,7 @@ from trainrun.wrappers import checkpoint_format  # (the package: every strategy 
 from trainrun.wrappers.base import Optimizers, Strategy
 
 LAST = "last"
+MAX_KEEP = 3  # periodic checkpoints kept by default
 _STEP = re.compile(r"^(epoch|iter)_(\d+)")
 
 
@@ -88,7 +88,7 @@ class CheckpointManager:
     """Saves through ``strategy`` into ``directory``, keeping at most ``max_keep`` periodic
     checkpoints (-1: all); the newest and the best are never pruned."""
 
-    def __init__(self, directory: Path, strategy: Strategy, max_keep: int = DEFAULT_MAX_KEEP,
+    def __init__(self, directory: Path, strategy: Strategy, max_keep: int = MAX_KEEP,
                  suffix: str = ".pth"):
         self.directory = directory
         self.strategy = strategy

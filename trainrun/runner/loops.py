@@ -15,6 +15,9 @@ from torch.utils.data import DataLoader
 from trainrun.dist import at_step, phase, set_phase
 from trainrun.dist.device import autocast_dtype
 from trainrun.runner.sampler import ResumableSampler
+from trainrun.runner.schema import ConfigError, fields, integer, nullable
+
+MAX_EPOCHS = 10  # a run's length when the config gives none
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -137,3 +140,19 @@ class EvalLoop:
         runner.model.train(was_training)
         runner.call_hook(f"after_{self.mode}", results)
         return results
+
+
+def check_schedule(key: str, value: Any) -> dict[str, Any]:
+    """The ``schedule`` section: how long the loop trains (epochs or iterations, one of them;
+    `MAX_EPOCHS` where neither is given) and how often it validates."""
+    out = fields(key, value, {
+        "max_epochs": (None, nullable(integer(1))),
+        "max_iters": (None, nullable(integer(1))),
+        "val_interval": (1, integer(1)),
+    })
+    if out["max_epochs"] is not None and out["max_iters"] is not None:
+        raise ConfigError(f"{key}: got both max_epochs ({out['max_epochs']}) and max_iters "
+                          f"({out['max_iters']}), expected exactly one")
+    if out["max_epochs"] is None and out["max_iters"] is None:
+        out["max_epochs"] = MAX_EPOCHS
+    return out

@@ -6,7 +6,10 @@ A model's ``train_step`` runs its forward inside ``optim_context`` and hands the
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,8 +18,30 @@ from torch.optim import Optimizer
 
 from trainrun.dist import phase
 from trainrun.dist.device import DTYPES, autocast_dtype
+from trainrun.dist.text import closest, is_number
+from trainrun.runner.schema import (
+    ALIASES,
+    BOOL,
+    OPTIONAL,
+    REQUIRED,
+    ConfigError,
+    Fields,
+    bad_value,
+    choice,
+    expected_of,
+    expects,
+    integer,
+    join,
+    nullable,
+    number,
+    rule,
+    section,
+    unknown_key,
+)
 
 PRECISIONS = tuple(DTYPES)  # the names of `precision`
+# optim keys that are the optimiser wrapper's, not the optimiser's
+WRAPPER_KEYS = ("clip_grad", "accumulate", "per_module")
 
 
 def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
@@ -187,3 +212,109 @@ class OptimWrapperDict(dict):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, wrapper in self.items():
             wrapper.load_state_dict(state[name])
+
+
+# ---------------------------------------------------------------- the optim section
+
+def optimizer_names() -> list[str]:
+    return sorted(name for name, cls in vars(torch.optim).items()
+                  if isinstance(cls, type) and issubclass(cls, Optimizer) and cls is not Optimizer)
+
+
+def optimizer_arguments(name: str) -> set[str] | None:
+    """The keyword arguments ``torch.optim.<name>`` takes besides params (None: any)."""
+    parameters = inspect.signature(getattr(torch.optim, name)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return {p for p in parameters if p not in ("self", "params")}
+
+
+CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}", section({
+    "max_norm": (REQUIRED, number(above=0)),
+    "norm_type": (2.0, rule("a number", is_number)),
+    "error_if_nonfinite": (OPTIONAL, BOOL),
+    "foreach": (OPTIONAL, nullable(BOOL)),
+}))
+
+
+def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
+    """null, or {max_norm, norm_type, ...}; a plain number is the max norm."""
+    if value is None:
+        return None
+    if is_number(value):
+        value = {"max_norm": value}
+    if not isinstance(value, Mapping):
+        raise bad_value(key, value, expected_of(CLIP_GRAD))
+    return CLIP_GRAD(key, value)
+
+
+def optim_table(kind: str, arguments: set[str] | None) -> Fields:
+    """The keys every optim section has; weight_decay only where the optimiser takes it."""
+    table: Fields = {"type": ("AdamW", lambda _, v: kind), "lr": (1e-3, number(above=0))}
+    if arguments is None or "weight_decay" in arguments:
+        table["weight_decay"] = (0.0, number(at_least=0))
+    table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)))
+    return table
+
+
+def check_optim(key: str, value: Any, where: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """The optimiser section (but per_module): a ``torch.optim`` class, its arguments (checked
+    against its signature) and the wrapper's keys.
+
+    ``where`` names each key in messages (per-module overrides name theirs differently).
+    """
+    where = where or partial(join, key)
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise bad_value(key, value, "a mapping with the optimiser's type and arguments")
+    kind = choice(*optimizer_names())(where("type"), value.get("type", "AdamW"))
+    arguments = optimizer_arguments(kind)
+    table = optim_table(kind, arguments)
+    extra = {k: v for k, v in value.items() if k not in table and k != "per_module"}
+    for name in extra:
+        if arguments is not None and name not in arguments:
+            hint = closest(str(name), [*table, "per_module", *sorted(arguments)], ALIASES)
+            sibling = join(where(name).rpartition(".")[0], hint)
+            raise ConfigError(f"unknown key '{where(name)}'; " + (
+                f"did you mean '{sibling}'?" if hint
+                else f"{kind} takes {', '.join(sorted(arguments))}"))
+    out = {name: check(where(name), value.get(name, default))
+           for name, (default, check) in table.items()}
+    return {**out, **extra}
+
+
+def check_per_module(key: str, optim: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """``optim.per_module``: {submodule: {overrides of the optim keys}}, each checked merged
+    with the shared keys; the result keeps the overrides only."""
+    value = optim.get("per_module")
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise bad_value(key, value, "null or a mapping of submodule names to option overrides")
+    optim_key = key.rpartition(".")[0]
+    shared = {k: v for k, v in optim.items() if k != "per_module"}
+    out: dict[str, dict[str, Any]] = {}
+    for name, overrides in value.items():
+        prefix = join(key, name)
+        overrides = {} if overrides is None else overrides
+        if not isinstance(name, str) or not name:
+            raise bad_value(prefix, name, "a submodule name")
+        if not isinstance(overrides, Mapping):
+            raise bad_value(prefix, overrides, "null or a mapping of optim options")
+        if "per_module" in overrides:
+            raise unknown_key(prefix, "per_module", shared)
+
+        def where(option: str, _prefix: str = prefix, _own: Mapping = overrides) -> str:
+            return join(_prefix if option in _own else optim_key, option)
+
+        merged = check_optim(prefix, {**shared, **overrides}, where)
+        out[name] = {k: merged[k] for k in overrides}
+    return out
+
+
+def check_optim_section(key: str, value: Any) -> dict[str, Any]:
+    out = check_optim(key, value)
+    out["per_module"] = check_per_module(join(key, "per_module"),
+                                         value if isinstance(value, Mapping) else {})
+    return out

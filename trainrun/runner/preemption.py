@@ -22,10 +22,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import torch
 
 from trainrun.dist import all_reduce, get_rank, is_distributed
+from trainrun.runner.schema import bad_value, names, section
 
 log = logging.getLogger("trainrun")
 
@@ -152,3 +154,19 @@ def requeue_slurm_job() -> tuple[bool, str | None]:
         why = ((done.stderr or done.stdout).strip() or f"exit {done.returncode}").splitlines()[0]
         return False, f"scontrol requeue {job_id} refused: {why}"
     return True, None
+
+
+def stop_signal(key: str, value: Any) -> str:
+    """A signal name ('SIGTERM', 'TERM', 'usr1') that can be caught, as 'SIGTERM'."""
+    if not isinstance(value, str):
+        raise bad_value(key, value, "a signal name such as SIGTERM or SIGUSR1")
+    try:
+        return signal_number(value).name
+    except ValueError as error:
+        raise bad_value(key, value, f"a signal that can be caught ({error})") from None
+
+
+stop_signal.expected = "signal names such as SIGTERM or SIGUSR1"  # type: ignore[attr-defined]
+
+
+PREEMPTION = section({"signals": (list(STOP_SIGNALS), names(stop_signal))})

@@ -13,6 +13,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from trainrun.runner.builder import (
     build_metrics,
     build_model,
     check_batches,
+    check_loader,
     optimizer_factory,
     wrap_optimizers,
 )
@@ -59,9 +61,6 @@ from trainrun.runner.checkpoint import (
 )
 from trainrun.runner.config import (
     DEFAULT_DIST_TIMEOUT,
-    DEFAULT_MAX_EPOCHS,
-    DEFAULT_MAX_KEEP,
-    DEFAULT_SEED,
     LAUNCH_KEYS,
     ConfigError,
     saved_config_changes,
@@ -76,14 +75,16 @@ from trainrun.runner.hooks import (
     PreemptionHook,
     ValidationHook,
 )
+from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
-from trainrun.runner.loops import EvalLoop, TrainLoop
+from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
 from trainrun.runner.manifest import DamagedCheckpoint, verify_checkpoint
-from trainrun.runner.preemption import STOP_SIGNALS, Preempted, StopRequest, stop_signals
+from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
-from trainrun.runner.seed import rng_state, set_random_seed, set_rng_state
+from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
 from trainrun.wrappers import Strategy, build_strategy
 
 
@@ -128,11 +129,9 @@ class Runner:
             self.rank, self.world_size = get_dist_info()
             self.device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
-            randomness = {"seed": DEFAULT_SEED, "deterministic": False, "diff_rank_seed": False,
-                          **(randomness or {})}
-            self.seed = set_random_seed(**randomness)
+            self.seed = set_random_seed(**RANDOMNESS("randomness", randomness))
             self.resume_from = resume
-            self.stop_signals = list((preemption or {}).get("signals", STOP_SIGNALS))
+            self.stop_signals = PREEMPTION("preemption", preemption)["signals"]
             self.load_from = load_from
             self.work_dir = Path(work_dir)
             # the console now; train.log (with what was logged before) once the run directory is
@@ -166,13 +165,13 @@ class Runner:
                 self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
                                                      self.device.type)
 
-            self._set_schedule(schedule or {"max_epochs": DEFAULT_MAX_EPOCHS})
+            schedule = check_schedule("schedule", schedule)
+            self._set_schedule(schedule)
             self.schedulers = self._schedulers(scheduler)
 
-            checkpoint = dict(checkpoint or {})
-            self.checkpoints = CheckpointManager(
-                self.work_dir / "checkpoints", self.strategy,
-                max_keep=checkpoint.get("max_keep", DEFAULT_MAX_KEEP))
+            checkpoint = self._section(check_checkpoint, "checkpoint", checkpoint)
+            self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
+                                                 max_keep=checkpoint["max_keep"])
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
             self.start_from = self._start_point()  # damaged: refused before anything is written
             self._check_fits(shapes)  # another model's: the same
@@ -180,8 +179,8 @@ class Runner:
             self._prepare_work_dir()
             self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
             self.timer = IterTimerHook()
-            self.hooks = self._hooks(hooks, dict(logging or {}), checkpoint,
-                                     (schedule or {}).get("val_interval", 1))
+            self.hooks = self._hooks(hooks, self._section(check_logging, "logging", logging),
+                                     checkpoint, schedule["val_interval"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
             self.iter = 0  # finished training iterations
             self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
@@ -212,17 +211,17 @@ class Runner:
             optim=plain.get("optim"),
             scheduler=plain.get("scheduler"),
             strategy={"type": plain["strategy"]["type"], **strategy_options(cfg)},
-            precision=plain.get("precision", "fp32"),
-            schedule=plain.get("schedule"),
-            randomness=plain.get("randomness"),
-            logging=plain.get("logging"),
-            checkpoint=plain.get("checkpoint"),
-            preemption=plain.get("preemption"),
-            resume=plain.get("resume", False),
-            load_from=plain.get("load_from"),
-            launcher=plain.get("launcher", "none"),
-            backend=plain.get("backend", "auto"),
-            dist_timeout=plain.get("dist_timeout", DEFAULT_DIST_TIMEOUT),
+            precision=plain["precision"],
+            schedule=plain["schedule"],
+            randomness=plain["randomness"],
+            logging=plain["logging"],
+            checkpoint=plain["checkpoint"],
+            preemption=plain["preemption"],
+            resume=plain["resume"],
+            load_from=plain["load_from"],
+            launcher=plain["launcher"],
+            backend=plain["backend"],
+            dist_timeout=plain["dist_timeout"],
             cfg=cfg,
         )
 
@@ -279,7 +278,9 @@ class Runner:
     def _loader(self, loader: Any, split: str) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
             return loader
-        return build_dataloader(loader, self.seed, split == "train", key=f"data.{split}")
+        key = f"data.{split}"
+        section = self._section(partial(check_loader, split=split), key, loader)
+        return build_dataloader(section, self.seed, split == "train", key=key)
 
     def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
                  loader: DataLoader | None, key: str) -> list[BaseMetric]:
@@ -298,6 +299,17 @@ class Runner:
             check_batches("data.train", len(loader.dataset), self.world_size,
                           loader.batch_size, loader.drop_last)
 
+    def _section(self, check: Callable[..., dict[str, Any]], key: str,
+                 value: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A section given to the runner checked and completed by its table, as `from_cfg`'s
+        are already; what the check warns about is logged (for a config, `load_config` said
+        it when it read the file)."""
+        warnings: list[str] = []
+        out = check(key, value, warnings=warnings)
+        for warning in warnings if self.cfg is None else ():
+            self.logger.warning(warning)
+        return out
+
     @staticmethod
     def _strategy(strategy: str | Mapping[str, Any] | Strategy) -> Strategy:
         if isinstance(strategy, Strategy):
@@ -308,10 +320,10 @@ class Runner:
         return build_strategy(options.pop("type"), **options)
 
     def _set_schedule(self, schedule: Mapping[str, Any]) -> None:
-        self.by_epoch = schedule.get("max_iters") is None
+        self.by_epoch = schedule["max_iters"] is None
         steps_per_epoch = len(self.train_dataloader) if self.train_dataloader else 0
         if self.by_epoch:
-            self.max_epochs = schedule.get("max_epochs") or DEFAULT_MAX_EPOCHS
+            self.max_epochs = schedule["max_epochs"]
             self.max_iters = self.max_epochs * steps_per_epoch
         else:
             self.max_iters = schedule["max_iters"]
@@ -329,16 +341,13 @@ class Runner:
 
     def _hooks(self, extra: Sequence[Hook], logging: dict[str, Any],
                checkpoint: dict[str, Any], val_interval: int) -> list[Hook]:
-        hooks: list[Hook] = [self.timer, LoggerHook(logging.get("interval", 10),
-                                                    logging.get("backends"))]
+        hooks: list[Hook] = [self.timer, LoggerHook(logging["interval"], logging["backends"])]
         if self.val_dataloader is not None:
             hooks.append(ValidationHook(val_interval))
         if self.train_dataloader is not None:
-            hooks.append(CheckpointHook(checkpoint.get("interval", 1),
-                                        checkpoint.get("save_last", True),
-                                        checkpoint.get("save_best"),
-                                        checkpoint.get("best_rule"),
-                                        checkpoint.get("async", False)))
+            hooks.append(CheckpointHook(checkpoint["interval"], checkpoint["save_last"],
+                                        checkpoint["save_best"], checkpoint["best_rule"],
+                                        checkpoint["async"]))
             hooks.append(PreemptionHook())
         hooks.extend(extra)
         return sorted(hooks, key=lambda hook: hook.priority)

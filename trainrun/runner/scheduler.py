@@ -11,74 +11,66 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from trainrun.dist.text import closest, is_int, is_number, show
+from trainrun.runner.schema import (
+    REQUIRED,
+    ConfigError,
+    Fields,
+    bad_value,
+    choice,
+    expected_of,
+    fields,
+    integer,
+    nullable,
+    number,
+    rule,
+)
 
-REQUIRED = object()  # an option without a default
 
-
-def _is_milestones(value: Any) -> bool:
-    return (isinstance(value, (list, tuple)) and len(value) > 0
+def _milestones(key: str, value: Any) -> list[int]:
+    if not (isinstance(value, (list, tuple)) and len(value) > 0
             and all(is_int(v) and v >= 1 for v in value)
-            and all(a < b for a, b in zip(value, value[1:], strict=False)))
+            and all(a < b for a, b in zip(value, value[1:], strict=False))):
+        raise bad_value(key, value, "a list of increasing ints >= 1 (iterations)")
+    return list(value)
 
 
-@dataclass(frozen=True)
-class Option:
-    """One scheduler option: its default (or REQUIRED), what a good value is, and the test."""
+_milestones.expected = "a list of increasing ints >= 1 (iterations)"  # type: ignore[attr-defined]
 
-    default: Any
-    expected: str
-    test: Callable[[Any], bool]
+_FACTOR = rule("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1)
+_GAMMA = (0.1, number(above=0))
+_WARMUP: Fields = {"warmup_iters": (0, integer(0)), "warmup_start_factor": (0.1, _FACTOR)}
+_DECAY: Fields = {"min_lr_ratio": (None, nullable(_FACTOR)),
+                  "min_lr": (None, nullable(number(at_least=0))), **_WARMUP}
 
-
-def _nullable(option: Option) -> Option:
-    return Option(None, f"null or {option.expected}", lambda v: v is None or option.test(v))
-
-
-_INT_GE0 = Option(0, "an int >= 0", lambda v: is_int(v) and v >= 0)
-_FACTOR = Option(0.1, "a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1)
-_GAMMA = Option(0.1, "a number > 0", lambda v: is_number(v) and v > 0)
-_MIN_LR_RATIO = _nullable(_FACTOR)
-_MIN_LR = _nullable(Option(None, "a number >= 0", lambda v: is_number(v) and v >= 0))
-
-_WARMUP = {"warmup_iters": _INT_GE0, "warmup_start_factor": _FACTOR}
-_DECAY = {"min_lr_ratio": _MIN_LR_RATIO, "min_lr": _MIN_LR, **_WARMUP}
-
-# The options each schedule takes, in the order the validated config lists them.
-SCHEDULER_OPTIONS: dict[str, dict[str, Option]] = {
+# The options each schedule takes (default or REQUIRED, check), in the order the validated
+# config lists them.
+SCHEDULER_OPTIONS: dict[str, Fields] = {
     "constant": {**_WARMUP},
     "step": {
-        "step_size": Option(REQUIRED, "an int >= 1 (iterations)", lambda v: is_int(v) and v >= 1),
+        "step_size": (REQUIRED, rule("an int >= 1 (iterations)", lambda v: is_int(v) and v >= 1)),
         "gamma": _GAMMA,
         **_WARMUP,
     },
-    "multistep": {
-        "milestones": Option(REQUIRED, "a list of increasing ints >= 1 (iterations)",
-                             _is_milestones),
-        "gamma": _GAMMA,
-        **_WARMUP,
-    },
+    "multistep": {"milestones": (REQUIRED, _milestones), "gamma": _GAMMA, **_WARMUP},
     "exponential": {
-        "gamma": Option(REQUIRED, "a number > 0 (the factor per iteration)",
-                        lambda v: is_number(v) and v > 0),
+        "gamma": (REQUIRED, rule("a number > 0 (the factor per iteration)",
+                                 lambda v: is_number(v) and v > 0)),
         **_WARMUP,
     },
     "linear": {**_DECAY},
     "cosine": {**_DECAY},
-    "poly": {"power": Option(1.0, "a number > 0", lambda v: is_number(v) and v > 0), **_DECAY},
-    "linear_warmup": {
-        "warmup_iters": Option(REQUIRED, "an int >= 1", lambda v: is_int(v) and v >= 1),
-        "start_factor": _FACTOR,
-    },
+    "poly": {"power": (1.0, number(above=0)), **_DECAY},
+    "linear_warmup": {"warmup_iters": (REQUIRED, integer(1)), "start_factor": (0.1, _FACTOR)},
 }
 SCHEDULERS: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)
 DECAYING = ("linear", "cosine", "poly")  # these decay over the total iterations
+_TYPE: Fields = {"type": (REQUIRED, choice(*SCHEDULERS))}
 
 # linear_warmup's start_factor is the other schedules' warmup_start_factor: take both names
 _SYNONYMS = {"linear_warmup": {"warmup_start_factor": "start_factor"}}
@@ -87,41 +79,31 @@ _SYNONYMS = {"linear_warmup": {"warmup_start_factor": "start_factor"}}
 def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> dict[str, Any] | None:
     """The scheduler section with defaults filled; None stays None (a constant rate).
 
-    Raises ValueError with one line naming ``key.option``, the bad value and what was expected.
+    Raises ConfigError with one line naming ``key.option``, the bad value and what was expected.
     """
     if cfg is None:
         return None
     if not isinstance(cfg, Mapping):
-        raise ValueError(f"{key}: got {show(cfg)}, expected null or a mapping with a 'type'")
-    kind = cfg.get("type", REQUIRED)
-    if kind is REQUIRED:
-        raise ValueError(f"{key}.type: missing, expected one of {', '.join(SCHEDULERS)}")
-    if kind not in SCHEDULER_OPTIONS:
-        hint = closest(str(kind), list(SCHEDULERS))
-        raise ValueError(f"{key}.type: got {show(kind)}, expected one of {', '.join(SCHEDULERS)}"
-                         + (f"; did you mean {hint!r}?" if hint else ""))
+        raise bad_value(key, cfg, "null or a mapping with a 'type'")
+    kind = fields(key, cfg, _TYPE, open_=True)["type"]
     options = SCHEDULER_OPTIONS[kind]
     given = _rename_synonyms(dict(cfg), kind, key)
-    out: dict[str, Any] = {"type": kind}
     for name in given:
         if name != "type" and name not in options:
             hint = closest(name, list(options))
-            raise ValueError(
+            raise ConfigError(
                 f"unknown key '{key}.{name}' for scheduler {kind!r}"
                 + (f"; did you mean '{key}.{hint}'?" if hint
                    else f"; it takes {', '.join(options) or 'no options'}"))
-    for name, option in options.items():
-        value = given.get(name, option.default)
-        if value is REQUIRED:
-            raise ValueError(f"{key}.{name}: missing, expected {option.expected} "
-                             f"(scheduler {kind!r} needs it)")
-        if not option.test(value):
-            raise ValueError(f"{key}.{name}: got {show(value)}, expected {option.expected}")
-        out[name] = list(value) if isinstance(value, tuple) else value
+    for name, (default, check) in options.items():
+        if default is REQUIRED and name not in given:
+            raise ConfigError(f"{key}.{name}: missing, expected {expected_of(check)} "
+                              f"(scheduler {kind!r} needs it)")
+    out = fields(key, given, {**_TYPE, **options})
     if kind in DECAYING:
         if out["min_lr"] is not None and out["min_lr_ratio"] is not None:
-            raise ValueError(f"{key}: got both min_lr ({out['min_lr']}) and min_lr_ratio "
-                             f"({out['min_lr_ratio']}), expected at most one")
+            raise ConfigError(f"{key}: got both min_lr ({out['min_lr']}) and min_lr_ratio "
+                              f"({out['min_lr_ratio']}), expected at most one")
         if out["min_lr"] is None and out["min_lr_ratio"] is None:
             out["min_lr_ratio"] = 0.0
     return out
@@ -131,24 +113,24 @@ def _rename_synonyms(given: dict[str, Any], kind: str, key: str) -> dict[str, An
     for alias, name in _SYNONYMS.get(kind, {}).items():
         if alias in given:
             if name in given:
-                raise ValueError(f"{key}: got both {alias} and {name}, expected one "
-                                 f"(they mean the same for {kind!r})")
+                raise ConfigError(f"{key}: got both {alias} and {name}, expected one "
+                                  f"(they mean the same for {kind!r})")
             given[name] = given.pop(alias)
     return given
 
 
 def check_total_iters(cfg: Mapping[str, Any] | None, total_iters: int,
                       key: str = "scheduler", total_name: str = "the total iterations") -> None:
-    """Raise ValueError when a warmup does not end before ``total_iters``."""
+    """Raise ConfigError when a warmup does not end before ``total_iters``."""
     if cfg is None:
         return
     warmup = cfg.get("warmup_iters", 0)
     if cfg["type"] in DECAYING and warmup >= total_iters:
-        raise ValueError(f"{key}.warmup_iters: got {warmup}, expected fewer than "
-                         f"{total_name} ({total_iters}) so that the decay has room")
+        raise bad_value(f"{key}.warmup_iters", warmup, f"fewer than {total_name} "
+                        f"({total_iters}) so that the decay has room")
     if warmup > total_iters:
-        raise ValueError(f"{key}.warmup_iters: got {warmup}, expected at most "
-                         f"{total_name} ({total_iters})")
+        raise bad_value(f"{key}.warmup_iters", warmup,
+                        f"at most {total_name} ({total_iters})")
 
 
 Factor = Callable[[int], float]

@@ -14,6 +14,14 @@ import numpy as np
 import torch
 
 from trainrun.dist import get_rank, sync_random_seed
+from trainrun.runner.schema import BOOL, integer, nullable, section
+
+SEED_LIMIT = 2**31
+RANDOMNESS = section({
+    "seed": (42, nullable(integer(0, SEED_LIMIT))),
+    "deterministic": (False, BOOL),
+    "diff_rank_seed": (False, BOOL),
+})
 
 
 def set_random_seed(seed: int | None, deterministic: bool = False,

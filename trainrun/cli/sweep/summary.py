@@ -30,7 +30,7 @@ def read_point(work_dir: Path) -> tuple[Series, Series]:
 
 def lower_is_better(metric: str) -> bool:
     """A loss is better lower, anything else higher: the rule of checkpoint.save_best."""
-    from trainrun.runner.config import best_rule_for
+    from trainrun.runner.hooks.checkpoint import best_rule_for
 
     return best_rule_for(metric) == "less"
 

@@ -7,9 +7,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainrun.runner.config import best_rule_for
+from trainrun.dist.text import is_int
+from trainrun.runner.checkpoint import MAX_KEEP
 from trainrun.runner.hooks.base import CHECKPOINT, Hook, every
 from trainrun.runner.logging import get_logger
+from trainrun.runner.schema import BOOL, TEXT, choice, fields, integer, nullable, rule
+
+
+def best_rule_for(metric: str) -> str:
+    """Whether a higher value of ``metric`` is better ('greater') or a lower one ('less': a
+    loss, however it is spelt), where the config does not say."""
+    return "less" if "loss" in metric.lower() else "greater"
 
 
 class CheckpointHook(Hook):
@@ -77,3 +85,24 @@ class CheckpointHook(Hook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_value = state.get("best_value")
         self.best_path = state.get("best_path")
+
+
+def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
+    """The ``checkpoint`` section (this hook's options and the manager's ``max_keep``), with
+    ``best_rule`` filled from the metric's name where ``save_best`` is set."""
+    out = fields(key, value, {
+        "interval": (1, integer(0)),
+        "max_keep": (MAX_KEEP, rule("an int >= 1, or -1 to keep all",
+                             lambda v: is_int(v) and (v >= 1 or v == -1))),
+        "save_last": (True, BOOL),
+        "save_best": (None, nullable(TEXT)),
+        "best_rule": (None, nullable(choice("greater", "less"))),
+        "async": (False, BOOL),
+    })
+    if out["save_best"] is None:
+        if out["best_rule"] is not None:
+            warnings.append(f"{key}.best_rule is ignored without {key}.save_best")
+            out["best_rule"] = None
+    elif out["best_rule"] is None:
+        out["best_rule"] = best_rule_for(out["save_best"])
+    return out

@@ -8,6 +8,7 @@ bar with loss, throughput and ETA; headless (cluster logs) it prints plain lines
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import sys
 import time
 from typing import Any
@@ -15,6 +16,11 @@ from typing import Any
 from trainrun.dist import all_reduce_dict, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
+from trainrun.runner.schema import choice, fields, integer, names
+
+INTERVAL = 10  # iterations between logged lines
+BACKENDS = ("console", "jsonl")  # where they go by default
+LOG_BACKENDS = ("console", "jsonl", "tensorboard")
 
 
 def _number(value: Any) -> float:
@@ -24,10 +30,10 @@ def _number(value: Any) -> float:
 class LoggerHook(Hook):
     priority = LOGGER  # see hooks/base.py for the order
 
-    def __init__(self, interval: int = 10, backends: list[str] | None = None,
+    def __init__(self, interval: int = INTERVAL, backends: list[str] | None = None,
                  progress_bar: bool | None = None):
         self.interval = interval
-        self.backends = list(backends or ["console", "jsonl"])
+        self.backends = list(backends or BACKENDS)
         show_bar = sys.stderr.isatty() if progress_bar is None else progress_bar
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
         self._bar = None
@@ -134,3 +140,17 @@ class LoggerHook(Hook):
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def check_logging(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
+    """The ``logging`` section; tensorboard is dropped with a warning where it is not
+    installed."""
+    out = fields(key, value, {
+        "interval": (INTERVAL, integer(1)),
+        "backends": (list(BACKENDS), names(choice(*LOG_BACKENDS))),
+    })
+    if "tensorboard" in out["backends"] and importlib.util.find_spec("tensorboard") is None:
+        out["backends"].remove("tensorboard")
+        warnings.append(f"{key}.backends: tensorboard is not installed (pip install "
+                        f"tensorboard); its logs are skipped")
+    return out
