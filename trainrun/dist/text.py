@@ -41,6 +41,6 @@ def closest(word: str, known: Iterable[str], aliases: Mapping[str, str] | None =
     return aliases[alias[0]] if alias and aliases[alias[0]] in known else None
 
 
-def first_line(error: BaseException) -> str:
-    """An error's message, its first line only: what a one-line report shows of it."""
+def first_line(error: object) -> str:
+    """An error's message (or any text), its first line only: what a one-line report shows."""
     return (str(error).strip().splitlines() or [""])[0]

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainrun.dist import launch
-from trainrun.dist.text import show
+from trainrun.dist.text import first_line, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.runner.builder import LOADER_KEYS, MODEL, check_data
 from trainrun.runner.hooks.checkpoint import check_checkpoint
@@ -136,7 +136,7 @@ def _to_plain(cfg: Any) -> Any:
 
 def _omegaconf_message(error: OmegaConfBaseException) -> str:
     """One line from an OmegaConf error: its key and its first line."""
-    message = str(getattr(error, "msg", None) or error).strip().splitlines()[0]
+    message = first_line(getattr(error, "msg", None) or error)
     key = getattr(error, "full_key", None)
     return f"{key}: {message}" if key else message
 
@@ -156,7 +156,7 @@ def read_yaml(path: str | os.PathLike[str]) -> DictConfig:
             problem += " (tags that build Python objects are not allowed)"
         raise ConfigError(f"{where}: {problem}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: {str(error).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: {first_line(error)}") from None
     except OmegaConfBaseException as error:
         raise ConfigError(f"{path}: {_omegaconf_message(error)}") from None
     except (OSError, UnicodeDecodeError) as error:
@@ -177,7 +177,7 @@ def parse_override(override: str) -> DictConfig:
     try:
         return OmegaConf.from_dotlist([override])
     except yaml.YAMLError as error:
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        problem = getattr(error, "problem", None) or first_line(error)
         raise ConfigError(f"override {override!r}: the value is not valid YAML: "
                           f"{problem}") from None
     except OmegaConfBaseException as error:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from trainrun.dist import all_reduce, get_rank, is_distributed
+from trainrun.dist.text import first_line
 from trainrun.runner.schema import bad_value, names, section
 
 log = logging.getLogger("trainrun")
@@ -151,7 +152,7 @@ def requeue_slurm_job() -> tuple[bool, str | None]:
     except (OSError, subprocess.TimeoutExpired) as error:
         return False, f"scontrol requeue {job_id} failed: {error}"
     if done.returncode != 0:
-        why = ((done.stderr or done.stdout).strip() or f"exit {done.returncode}").splitlines()[0]
+        why = first_line(done.stderr or done.stdout) or f"exit {done.returncode}"
         return False, f"scontrol requeue {job_id} refused: {why}"
     return True, None
 

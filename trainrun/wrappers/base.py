@@ -28,6 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainrun.dist import barrier, is_main_process
+from trainrun.dist.text import first_line
 
 # The runner's own state (rank 0's) inside a checkpoint that is a directory (fsdp, deepspeed).
 TRAIN_STATE = "train_state.pt"
@@ -384,7 +385,7 @@ def refusing_unsafe(path: str | os.PathLike) -> Iterator[None]:
                                      ) from None
     except RuntimeError as error:  # not a torch file, or a truncated one
         raise ValueError(f"{path}: not a readable checkpoint: "
-                         f"{str(error).splitlines()[0]}") from None
+                         f"{first_line(error)}") from None
     except (EOFError, IndexError, KeyError, UnicodeDecodeError, struct.error) as error:
         raise ValueError(f"{path}: not a readable checkpoint (torch cannot read it: "
                          f"written by something else, or damaged; {type(error).__name__})"
