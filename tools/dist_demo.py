@@ -1,6 +1,6 @@
 """A small data-parallel training job built on trainrun.dist alone.
 
-`make train` runs it with `torchrun --nproc_per_node 2` until the runner lands. Each rank
+It shows the collectives of `trainrun.dist` without the runner. Each rank
 trains a two-layer network on its shard of a synthetic two-spiral problem; gradients are
 averaged with `all_reduce_params`, the logged loss with `all_reduce_dict`, and rank 0 scores
 the whole validation set from `collect_results`.
@@ -15,7 +15,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 
 import trainrun.dist as dist
@@ -93,8 +92,7 @@ def main() -> None:
              world_size)
     accuracy = train(args.steps, args.seed)
     log.info("validation accuracy %.3f", accuracy)
-    if dist.is_distributed():
-        torch_dist.destroy_process_group()
+    dist.leave_dist()
 
 
 if __name__ == "__main__":

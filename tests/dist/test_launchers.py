@@ -106,6 +106,7 @@ def assert_two_ranks(found: list[dict[str, Any]], launcher: str) -> None:
         assert report["local_from_env"] == [rank, 2]
         assert report["local_from_group"] == [rank, 2]
         assert report["local_group_size"] == 2
+        assert report["left"]
         env = report["env"]
         assert (env["RANK"], env["WORLD_SIZE"]) == (str(rank), "2")
         assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(rank), "2")

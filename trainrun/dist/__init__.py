@@ -53,6 +53,7 @@ from trainrun.dist.launch import (
     infer_launcher,
     init_dist,
     init_local_group,
+    leave_dist,
 )
 from trainrun.dist.objects import (
     all_gather_object,
@@ -75,6 +76,6 @@ __all__ = [
     "get_backend", "get_comm_device", "get_data_device", "get_default_group", "get_device",
     "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank", "get_local_size",
     "get_rank", "get_world_size", "infer_launcher", "init_dist", "init_local_group",
-    "is_comm_error", "is_distributed", "is_main_process", "master_only", "phase", "reduce",
-    "set_default_dist_backend", "set_phase", "sync_random_seed", "watch_ranks",
+    "is_comm_error", "is_distributed", "is_main_process", "leave_dist", "master_only", "phase",
+    "reduce", "set_default_dist_backend", "set_phase", "sync_random_seed", "watch_ranks",
 ]

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -34,6 +33,7 @@ from trainrun.dist import (
     init_dist,
     is_comm_error,
     is_distributed,
+    leave_dist,
     phase,
     watch_ranks,
 )
@@ -612,12 +612,12 @@ class Runner:
         self._leave_group(error)
 
     def _leave_group(self, error: BaseException | None) -> None:
-        """Destroy the process group this runner joined, before the interpreter shuts down:
-        a gloo thread that frees a finished collective's tensors after that aborts the process
-        ('terminate called without an active exception'). Not after a failed collective: a
-        collective still waiting on a frozen peer would hold the destroy up for the timeout."""
+        """Leave the process group this runner joined (`dist.leave_dist` says why before the
+        interpreter shuts down). Not after a failed collective: a collective still waiting on a
+        frozen peer would hold the destroy up for the timeout."""
         if error is not None and (isinstance(error, PeerFailure) or is_comm_error(error)):
             return
-        gc.collect()
-        if self._owns_group and is_distributed():
-            torch_dist.destroy_process_group()
+        if self._owns_group:
+            leave_dist()
+        else:  # free DDP's reducer now, before whoever joined the group leaves it
+            gc.collect()

@@ -38,6 +38,7 @@ from trainrun.dist import (
     get_world_size,
     is_distributed,
     is_main_process,
+    leave_dist,
     phase,
 )
 from trainrun.dist.device import autocast_dtype
@@ -654,8 +655,8 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
-        if self._own_group and is_distributed():
-            torch_dist.destroy_process_group()
+        if self._own_group:
+            leave_dist()
         if self._set_local_rank:
             os.environ.pop("LOCAL_RANK", None)
         self._own_group = self._set_local_rank = False

@@ -5,7 +5,8 @@ Run by tests/dist/test_launchers.py under torchrun, mpirun and srun:
     python launch_check.py LAUNCHER [check | timeout DONE_FILE]
 
 check    all_reduce, all_gather_object and a local group, plus the exported variables; then
-         `check_ranks` with a world size that rank 1 gets wrong, whose error each rank reports.
+         `check_ranks` with a world size that rank 1 gets wrong, whose error each rank reports;
+         then `leave_dist`, after which no group, the local one included, is left.
 timeout  rank 1 calls all_reduce alone (timeout 3 s), reports the error it got and creates
          DONE_FILE; rank 0 stays alive until then (had it exited, rank 1 would see a closed
          connection instead of a timeout).
@@ -97,10 +98,11 @@ def main(launcher: str, mode: str = "check", *args: str) -> None:
         "env": {name: os.environ.get(name) for name in EXPORTED + LAUNCHER_VARS},
         **MODES[mode](*args),
     }
+    if mode != "timeout":  # after a timeout the group is broken: just exit
+        dist.leave_dist()
+        report["left"] = not dist.is_distributed() and dist.get_local_group() is None
     # one write call: the ranks share stdout, and a pipe keeps writes under 4 KiB whole
     os.write(sys.stdout.fileno(), (json.dumps(report) + "\n").encode())
-    if mode != "timeout":  # after a timeout the group is broken: just exit
-        torch_dist.destroy_process_group()
 
 
 if __name__ == "__main__":
