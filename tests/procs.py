@@ -18,15 +18,15 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from trainrun.dist.launch import free_port
-
 GROUP_TIMEOUT_S = 30.0
 
 
-def _worker(conn: Connection, rank: int, world_size: int, port: int) -> None:
+def _worker(conn: Connection, rank: int, world_size: int) -> None:
     """Join a new group for each body the parent sends, run it, report, leave the group.
 
     One key-value store serves the pool's whole life; each group gets its own prefix in it.
+    Rank 0 opens the store on a port the system picks and says which through the parent, so
+    no other pool or job can take the port between its choice and its use.
     """
     import torch
     import torch.distributed as torch_dist
@@ -36,8 +36,11 @@ def _worker(conn: Connection, rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    port = 0 if rank == 0 else conn.recv()
     store = torch_dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
-                                timeout=datetime.timedelta(seconds=60))
+                                timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    if rank == 0:
+        conn.send(store.port)
     while True:
         message = conn.recv()
         if message is None:
@@ -78,14 +81,17 @@ class DistPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, rank, self.world_size, port),
-                               daemon=True)
+            proc = ctx.Process(target=_worker, args=(child, rank, self.world_size), daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)
+        if not self._conns[0].poll(GROUP_TIMEOUT_S * 4):
+            raise RankFailure("rank 0 of the pool did not open its store")
+        port = self._conns[0].recv()
+        for conn in self._conns[1:]:
+            conn.send(port)
 
     def run(self, body: Callable[..., Any], *args: Any,
             timeout: float = GROUP_TIMEOUT_S) -> list[Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port
+from trainrun.dist.launch import free_port
 
 DEMO = Path(__file__).parents[2] / "tools" / "dist_demo.py"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port
 from tests.tools.test_train_cli import CONFIG, TRAIN, env, train_records
 from trainrun.cli.processes import alive, descendants
+from trainrun.dist.launch import free_port
 from trainrun.examples.digits import DigitsMLP
 
 NPROC = 2

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port
 from tests.runner.test_manifest import flip_byte
 from trainrun.cli.processes import descendants
+from trainrun.dist.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "tools" / "train.py"

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port
 from tests.slurm_cluster import client_env
 from tests.tools import test_train_cli
 from tests.tools.test_train_cli import (
@@ -33,6 +32,7 @@ from tests.tools.test_train_cli import (
     train_records,
 )
 from trainrun.cli.processes import alive, descendants
+from trainrun.dist.launch import free_port
 
 straight_run = test_train_cli.straight_run  # the uninterrupted run, a module fixture here too
 
