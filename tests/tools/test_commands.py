@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import trainrun.cli as cli
-from tests.tools.test_train_cli import REPO, env
+from tests.tools.test_train_cli import CONFIG, REPO, env
 
 
 def test_python_m_trainrun_runs_a_subcommand_under_its_name():
@@ -30,5 +30,13 @@ def test_no_subcommand_or_an_unknown_one_is_exit_2_listing_them(capsys):
     assert "train " in capsys.readouterr().err
     assert cli.main(["trian", "x.yaml"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: unknown subcommand 'trian'; expected one of train, test, ")
+    assert err.startswith("error: unknown subcommand 'trian'; expected one of train, plan, test, ")
     assert cli.main(["--help"]) == 0 and "verify-resume" in capsys.readouterr().out
+
+
+def test_plan_prints_what_train_would_do_and_refuses_what_it_would_refuse(capsys):
+    assert cli.main(["plan", str(CONFIG), "--cfg-options", "optim.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for 'digits_ddp' (dry run") and "lr=0.5" in out
+    assert cli.main(["plan", str(CONFIG), "--cfg-options", "optim.lr=-1"]) == 2
+    assert "optim.lr: got -1" in capsys.readouterr().err

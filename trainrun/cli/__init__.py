@@ -20,6 +20,7 @@ TRAIN = ("-m", "trainrun", "train")
 # subcommand -> (module under trainrun.cli, what it does)
 COMMANDS = {
     "train": ("train", "train from a YAML config"),
+    "plan": ("plan", "print what train would do with these arguments (train --dry-run)"),
     "test": ("test", "test a checkpoint on the config's test data"),
     "sweep": ("sweep", "train every point of a hyper-parameter grid and summarise them"),
     "export": ("export", "consolidate a checkpoint into one plain state-dict file"),

@@ -1,12 +1,14 @@
 """The plan ``--dry-run`` prints: who runs where, with what batch, for how many steps.
 
 Everything comes from the validated config and the launcher's environment variables; nothing
-is initialised and nothing is written.
+is initialised and nothing is written. ``trainrun plan CONFIG ...`` is ``trainrun train
+CONFIG ... --dry-run``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -173,3 +175,12 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
     lines = [f"plan for {cfg['name']!r} (dry run: nothing is trained or written)"]
     lines += [f"  {label.ljust(width)}{value}" for label, value in rows]
     return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``trainrun plan``: the plan of ``trainrun train`` with the same arguments; returns the
+    exit code (2 for a config the run would refuse)."""
+    from trainrun.cli import train  # train prints its --dry-run plan with this module
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return train.main(args if "--dry-run" in args else [*args, "--dry-run"])
