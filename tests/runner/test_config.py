@@ -128,19 +128,20 @@ def test_overrides_can_swap_the_schedule_and_add_a_scheduler(tmp_path):
     assert cfg.scheduler.type == "step" and cfg.scheduler.gamma == 0.1
 
 
-@pytest.mark.parametrize(("in_file", "given", "replaced"), [
-    ("max_epochs: 5", "max_iters=50", "max_epochs"),
-    ("max_iters: 50", "max_epochs=5", "max_iters"),
+@pytest.mark.parametrize(("in_file", "given", "replaced", "unit"), [
+    ("max_epochs: 5", "max_iters=50", "max_epochs", "iterations"),
+    ("max_iters: 50", "max_epochs=5", "max_iters", "epochs"),
 ])
 def test_a_length_on_the_command_line_replaces_the_files_other_one(tmp_path, in_file, given,
-                                                                   replaced):
+                                                                   replaced, unit):
     warnings: list[str] = []
     cfg = load(tmp_path, MINIMAL + f"schedule: {{{in_file}}}\n", [f"schedule.{given}"],
                on_warning=warnings.append)
     key, value = given.split("=")
     assert cfg.schedule[key] == int(value) and cfg.schedule[replaced] is None
     assert warnings == [f"schedule.{given} on the command line replaces the config file's "
-                        f"schedule.{replaced} ({in_file.split(': ')[1]})"]
+                        f"schedule.{replaced} ({in_file.split(': ')[1]}); "
+                        f"schedule.val_interval and checkpoint.interval now count {unit}"]
     # both in the file stay an error, as both on the command line do
     both = MINIMAL + "schedule: {max_epochs: 5, max_iters: 50}\n"
     assert "got both max_epochs (5) and max_iters (50)" in error(tmp_path, both)

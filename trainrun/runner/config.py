@@ -228,8 +228,10 @@ def _length_from_command_line(cfg: DictConfig, overrides: list[str]) -> list[str
     if dropped is None:
         return []
     cfg.schedule[other] = None
+    unit = "iterations" if key == "max_iters" else "epochs"
     return [f"schedule.{key}={cfg.schedule[key]} on the command line replaces the config "
-            f"file's schedule.{other} ({dropped})"]
+            f"file's schedule.{other} ({dropped}); schedule.val_interval and "
+            f"checkpoint.interval now count {unit}"]
 
 
 def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
