@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from trainrun.dist import phase
 from trainrun.dist.device import DTYPES, autocast_dtype
 from trainrun.dist.text import closest, is_number
+from trainrun.runner.paramwise import check_paramwise
 from trainrun.runner.schema import (
     ALIASES,
     BOOL,
@@ -42,6 +43,8 @@ from trainrun.runner.schema import (
 PRECISIONS = tuple(DTYPES)  # the names of `precision`
 # optim keys that are the optimiser wrapper's, not the optimiser's
 WRAPPER_KEYS = ("clip_grad", "accumulate", "per_module")
+# optim keys that say how the optimiser's parameter groups are made (runner/paramwise.py)
+GROUP_KEYS = ("paramwise",)
 
 
 def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
@@ -229,6 +232,16 @@ def optimizer_arguments(name: str) -> set[str] | None:
     return {p for p in parameters if p not in ("self", "params")}
 
 
+def optimizer_default(name: str, argument: str) -> Any:
+    """The default of ``argument`` of ``torch.optim.<name>``; None where it takes no such
+    argument (or ``name`` is no optimiser)."""
+    cls = getattr(torch.optim, name, None)
+    if not callable(cls):
+        return None
+    found = inspect.signature(cls).parameters.get(argument)
+    return None if found is None or found.default is inspect.Parameter.empty else found.default
+
+
 CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}", section({
     "max_norm": (REQUIRED, number(above=0)),
     "norm_type": (2.0, rule("a number", is_number)),
@@ -251,9 +264,11 @@ def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
 def optim_table(kind: str, arguments: set[str] | None) -> Fields:
     """The keys every optim section has; weight_decay only where the optimiser takes it."""
     table: Fields = {"type": ("AdamW", lambda _, v: kind), "lr": (1e-3, number(above=0))}
-    if arguments is None or "weight_decay" in arguments:
+    has_decay = arguments is None or "weight_decay" in arguments
+    if has_decay:
         table["weight_decay"] = (0.0, number(at_least=0))
-    table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)))
+    table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)),
+                 paramwise=(None, partial(check_paramwise, has_decay=has_decay)))
     return table
 
 
