@@ -45,6 +45,7 @@ PRECISIONS = tuple(DTYPES)  # the names of `precision`
 WRAPPER_KEYS = ("clip_grad", "accumulate", "per_module")
 # optim keys that say how the optimiser's parameter groups are made (runner/paramwise.py)
 GROUP_KEYS = ("paramwise",)
+ONE_GROUP = ("LBFGS",)  # optimisers that refuse parameter groups
 
 
 def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
@@ -267,8 +268,11 @@ def optim_table(kind: str, arguments: set[str] | None) -> Fields:
     has_decay = arguments is None or "weight_decay" in arguments
     if has_decay:
         table["weight_decay"] = (0.0, number(at_least=0))
+    paramwise = partial(check_paramwise, has_decay=has_decay)
+    if kind in ONE_GROUP:
+        paramwise = rule(f"null: {kind} takes one parameter group", lambda v: v is None)
     table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)),
-                 paramwise=(None, partial(check_paramwise, has_decay=has_decay)))
+                 paramwise=(None, paramwise))
     return table
 
 
