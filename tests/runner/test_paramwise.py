@@ -214,3 +214,24 @@ def test_describe_groups_counts_tensors_and_elements():
                                 lr=0.1)
     assert describe_groups(optimizer, "g") == [
         "g: all parameters: lr 0.5, weight_decay 0; 1 tensor, 12 elements"]
+
+
+def test_a_min_lr_above_a_groups_rate_is_refused_naming_the_group():
+    from trainrun.runner.scheduler import build_scheduler
+
+    optim = check_optim_section("optim", {"type": "SGD", "lr": 0.1, "paramwise": {
+        "custom_keys": {"head": {"lr_mult": 0.01}}}})
+    optimizer = optimizer_factory(optim)(NormToy())
+    scheduler = {"type": "cosine", "min_lr": 0.01}
+    with pytest.raises(ValueError) as error:
+        build_scheduler(optimizer, scheduler, 10)
+    assert str(error.value) == ("scheduler.min_lr: got 0.01, expected at most the learning "
+                                "rate (0.001): the rate of parameter group 'head' "
+                                "(optim.paramwise)")
+    cfg, _ = check({"name": "x", "model": {"type": "tests.runner.test_paramwise.NormToy"},
+                    "data": {"train": {"type": "tests.runner.toy.ToyRegression"}},
+                    "optim": optim, "scheduler": scheduler, "schedule": {"max_iters": 10}})
+    with pytest.raises(ConfigError, match="group 'head'"):
+        plan_param_groups(cfg)  # the dry run refuses it too
+    cfg["scheduler"]["min_lr"] = 0.0005
+    assert len(plan_param_groups(cfg)[0]) == 2

@@ -33,6 +33,7 @@ from trainrun.runner.paramwise import (
 )
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
+from trainrun.runner.scheduler import check_floors
 from trainrun.runner.schema import (
     BOOL,
     REQUIRED,
@@ -254,13 +255,24 @@ def plan_param_groups(cfg: Mapping[str, Any]) -> tuple[list[str] | str | None, l
     try:
         with torch.device("meta"):
             model = build_model(cfg["model"])
-            optimizer_factory(optim, warnings.append, lines.extend)(model)
+            optimizers = optimizer_factory(optim, warnings.append, lines.extend)(model)
+        for optimizer in optimizers.values() if isinstance(optimizers, Mapping) \
+                else [optimizers]:
+            check_floors(cfg.get("scheduler"), optimizer)
     except ConfigError:
         raise
+    except ValueError as error:
+        if str(error).startswith("scheduler."):  # a min_lr above a group's rate
+            raise ConfigError(str(error)) from None
+        return _unlisted(error), []
     except Exception as error:  # a plan reports what it cannot know, it does not fail
-        return (f"not listed here: the model cannot be built on the meta device "
-                f"({type(error).__name__}: {first_line(error)}); the run's log lists them"), []
+        return _unlisted(error), []
     return lines, warnings
+
+
+def _unlisted(error: Exception) -> str:
+    return (f"not listed here: the model cannot be built on the meta device "
+            f"({type(error).__name__}: {first_line(error)}); the run's log lists them")
 
 
 def _warn_unmatched(missed: Mapping[str, set[str]],

@@ -271,8 +271,10 @@ def optim_table(kind: str, arguments: set[str] | None) -> Fields:
     paramwise = partial(check_paramwise, has_decay=has_decay)
     if kind in ONE_GROUP:
         paramwise = rule(f"null: {kind} takes one parameter group", lambda v: v is None)
+    # paramwise stays absent unless given, so that the saved config of a run from before it
+    # existed still matches on resume
     table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)),
-                 paramwise=(None, paramwise))
+                 paramwise=(OPTIONAL, paramwise))
     return table
 
 
@@ -299,7 +301,8 @@ def check_optim(key: str, value: Any, where: Callable[[str], str] | None = None)
                 f"did you mean '{sibling}'?" if hint
                 else f"{kind} takes {', '.join(sorted(arguments))}"))
     out = {name: check(where(name), value.get(name, default))
-           for name, (default, check) in table.items()}
+           for name, (default, check) in table.items()
+           if name in value or default is not OPTIONAL}
     return {**out, **extra}
 
 
