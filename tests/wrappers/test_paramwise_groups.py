@@ -121,3 +121,43 @@ def test_groups_train_and_resume_exactly(run_on, tmp_path, name):
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
     assert "parameter groups (optim.paramwise):\n  'embed.weight': lr 0, weight_decay 0.1; " \
         "1 tensor, 32 elements\n" in log
+
+
+def _separate_body(root: str) -> dict[str, Any]:
+    """separate_ddp, one optimiser per submodule: shared rules for ``a``, ``b``'s own."""
+    def runner(name: str, **more: Any) -> Runner:
+        return Runner(
+            model={"type": "tests.runner.toy.TwoNets"}, work_dir=f"{root}/{name}",
+            train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
+                              "batch_size": 4},
+            optim={"type": "SGD", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01,
+                   "paramwise": {"bias_lr_mult": 2.0, "bias_decay_mult": 0.0},
+                   "per_module": {"a": None, "b": {"paramwise": {
+                       "custom_keys": {"b.weight": {"lr_mult": 0.5}}}}}},
+            strategy="separate_ddp", schedule={"max_iters": 12}, randomness={"seed": 7},
+            logging={"interval": 1, "backends": ["jsonl"]}, checkpoint={"interval": 4},
+            **more)
+
+    def groups(run: Runner) -> dict[str, list[tuple[Any, ...]]]:
+        return {name: [(g["name"], g["lr"], g["weight_decay"]) for g in opt.param_groups]
+                for name, opt in run.optimizer.items()}
+
+    with runner("straight") as run:
+        built = groups(run)
+        run.train()
+    with runner("crashed", hooks=[CrashAfter(6)]) as run, pytest.raises(Killed):
+        run.train()
+    with runner("crashed", resume=True) as run:
+        run.train()
+        resumed = groups(run)
+    return {"built": built, "resumed": resumed}
+
+
+def test_separate_optimisers_group_each_submodule_and_resume_exactly(run_on, tmp_path):
+    results = run_on(2)(_separate_body, str(tmp_path))
+    assert results[0] == results[1]
+    assert results[0]["built"] == results[0]["resumed"] == {
+        "a": [("default", 0.1, 0.01), ("bias", 0.2, 0.0)],
+        "b": [("default", 0.1, 0.01), ("'b.weight'", 0.05, 0.01)]}
+    straight, resumed = _losses(f"{tmp_path}/straight"), _losses(f"{tmp_path}/crashed")
+    assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
