@@ -112,13 +112,22 @@ def _validation(cfg: Mapping[str, Any]) -> str:
 
 def _optimiser(optim: Mapping[str, Any]) -> str:
     arguments = {k: v for k, v in optim.items() if k not in ("clip_grad", "accumulate",
-                                                              "per_module")}
+                                                              "per_module", "paramwise")}
     clip = optim["clip_grad"]
     text = (f"{_with_options(arguments)}; accumulate {optim['accumulate']}; clip_grad "
             + (_options(clip) if clip else "none"))
     per_module = [f"{name} ({_options(overrides) or 'shared options'})"
                   for name, overrides in (optim["per_module"] or {}).items()]
     return text + (f"; per module: {', '.join(per_module)}" if per_module else "")
+
+
+def _groups(groups: Sequence[str] | str) -> str:
+    """The param groups row: how many, then one line each (or why they are not listed)."""
+    if isinstance(groups, str):
+        return groups
+    count = (f"{len(groups)} group{'s' if len(groups) != 1 else ''} (optim.paramwise; counted "
+             f"on the model built on the meta device)")
+    return "\n".join([count, *groups])
 
 
 def _checkpoints(cfg: Mapping[str, Any]) -> str:
@@ -132,11 +141,14 @@ def _checkpoints(cfg: Mapping[str, Any]) -> str:
 
 
 def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None,
-                  dataset_length: int | None = None) -> str:
+                  dataset_length: int | None = None,
+                  param_groups: Sequence[str] | str | None = None) -> str:
     """The resolved plan of a validated config, as lines of text.
 
     ``world_size`` defaults to what the launcher's variables announce; ``dataset_length`` is
-    the train set's length (None: steps per epoch are shown as unknown).
+    the train set's length (None: steps per epoch are shown as unknown); ``param_groups``:
+    a line per parameter group ``optim.paramwise`` makes, or why they are not listed (None:
+    no such row).
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -162,6 +174,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("schedule", _unit(schedule, schedule["max_epochs"] or schedule["max_iters"])),
         ("validation", _validation(cfg)),
         ("optimiser", _optimiser(optim)),
+        *([("param groups", _groups(param_groups))] if param_groups is not None else []),
         ("scheduler", _with_options(cfg["scheduler"]) if cfg["scheduler"]
          else "none (constant learning rate)"),
         ("precision", cfg["precision"]),
@@ -173,7 +186,8 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
     ]
     width = max(len(label) for label, _ in rows) + 2
     lines = [f"plan for {cfg['name']!r} (dry run: nothing is trained or written)"]
-    lines += [f"  {label.ljust(width)}{value}" for label, value in rows]
+    lines += [f"  {label.ljust(width)}{value}".replace("\n", "\n" + " " * (width + 4))
+              for label, value in rows]
     return "\n".join(lines)
 
 

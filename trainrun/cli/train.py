@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trainrun.cli import prog
 from trainrun.cli.plan import describe_plan, env_rank, env_world_size
@@ -27,7 +27,7 @@ from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.dist.text import first_line
-from trainrun.runner.builder import check_batches, check_types
+from trainrun.runner.builder import check_batches, check_types, plan_param_groups
 from trainrun.runner.config import (
     LAUNCHERS,
     ConfigError,
@@ -331,7 +331,13 @@ def dry_run(job: Job) -> int:
                               train.batch_size, train.drop_last)
             except ConfigError as error:
                 return _usage_error(error)
-        print(describe_plan(job.cfg, dataset_length=length))
+        try:
+            groups, warnings = plan_param_groups(OmegaConf.to_container(job.cfg, resolve=True))
+        except ConfigError as error:
+            return _usage_error(error)
+        for warning in warnings:
+            _say(f"warning: {warning}")
+        print(describe_plan(job.cfg, dataset_length=length, param_groups=groups))
         if why:
             print(f"  (train set size unknown: {why})")
     return EXIT_OK

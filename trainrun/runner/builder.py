@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -15,9 +16,24 @@ from torch.utils.data import DataLoader
 from trainrun.dist.text import first_line
 from trainrun.examples import resolve
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.optim import WRAPPER_KEYS, OptimWrapper, OptimWrapperDict, build_optimizer
+from trainrun.runner.optim import (
+    GROUP_KEYS,
+    WRAPPER_KEYS,
+    OptimWrapper,
+    OptimWrapperDict,
+    build_optimizer,
+    optimizer_default,
+)
+from trainrun.runner.paramwise import (
+    Group,
+    check_paramwise,
+    describe_groups,
+    param_groups,
+    unmatched_warning,
+)
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
+from trainrun.runner.scheduler import check_floors
 from trainrun.runner.schema import (
     BOOL,
     REQUIRED,
@@ -37,6 +53,8 @@ from trainrun.runner.schema import (
 )
 from trainrun.runner.seed import seed_worker
 from trainrun.wrappers.base import Optimizers
+
+log = logging.getLogger("trainrun")
 
 DEFAULT_BATCH_SIZE = 32
 # DataLoader options of a data section; the rest (but `type` and `metrics`) goes to the data set
@@ -153,20 +171,115 @@ def check_batches(key: str, dataset_length: int, world_size: int, batch_size: in
                       f"to false")
 
 
-def optimizer_factory(cfg: Mapping[str, Any]) -> Any:
+def optimizer_factory(cfg: Mapping[str, Any], on_warning: Callable[[str], None] | None = None,
+                      on_groups: Callable[[list[str]], None] | None = None) -> Any:
     """A function building the optimiser(s) of ``cfg`` over a module: one, or one per
-    submodule named in ``per_module`` (each with its own overrides)."""
+    submodule named in ``per_module`` (each with its own overrides). With ``paramwise`` the
+    parameters go in groups (`trainrun.runner.paramwise`), described (one line each) to
+    ``on_groups``; a custom key that matches no parameter is told to ``on_warning``."""
     common = {k: v for k, v in cfg.items() if k not in WRAPPER_KEYS and v is not None}
     per_module = cfg.get("per_module")
 
     def make(module: nn.Module) -> Optimizers:
         if not per_module:
-            return build_optimizer(module.parameters(), common)
-        return {name: build_optimizer(getattr(module, name).parameters(),
-                                      {**common, **_own(overrides)})
-                for name, overrides in per_module.items()}
+            optimizer, unmatched = _optimizer(module, common)
+            _tell(optimizer, "", common, on_groups)
+            _warn_unmatched({"optim.paramwise": set(unmatched)}, on_warning)
+            return optimizer
+        optimizers, missed = {}, {}
+        for name, overrides in per_module.items():
+            options = {**common, **_own(overrides)}
+            optimizers[name], unmatched = _optimizer(getattr(module, name), options,
+                                                     f"{name}.")
+            _tell(optimizers[name], name, options, on_groups)
+            # a shared key is unmatched only where no submodule sharing it matched it
+            where = (f"optim.per_module.{name}.paramwise" if "paramwise" in (overrides or {})
+                     else "optim.paramwise")
+            missed[where] = missed.get(where, set(unmatched)) & set(unmatched)
+        _warn_unmatched(missed, on_warning)
+        return optimizers
 
     return make
+
+
+def _tell(optimizer: torch.optim.Optimizer, scope: str, options: Mapping[str, Any],
+          on_groups: Callable[[list[str]], None] | None) -> None:
+    """Describe ``optimizer``'s groups to ``on_groups`` where paramwise made them."""
+    if on_groups is not None and options.get("paramwise") is not None:
+        on_groups(describe_groups(optimizer, scope))
+
+
+def _optimizer(module: nn.Module, options: Mapping[str, Any],
+               prefix: str = "") -> tuple[torch.optim.Optimizer, list[str]]:
+    """The optimiser ``options`` describe over ``module``'s parameters (in groups when
+    ``paramwise`` is set), and the custom keys that matched none of them."""
+    groups, unmatched = module_groups(module, options, prefix)
+    arguments = {k: v for k, v in options.items() if k not in GROUP_KEYS}
+    if groups is None:
+        return build_optimizer(module.parameters(), arguments), []
+    return build_optimizer([g.as_optimizer_group() for g in groups], arguments), unmatched
+
+
+def module_groups(module: nn.Module, optim: Mapping[str, Any],
+                  prefix: str = "") -> tuple[list[Group] | None, list[str]]:
+    """``module``'s parameter groups under ``optim`` (a checked optim section, or one
+    optimiser's options), or None where ``optim.paramwise`` is not set; and the custom keys
+    that matched no parameter. The base weight decay is the optimiser's default where
+    ``optim`` does not give it."""
+    if optim.get("paramwise") is None:
+        return None, []
+    decay = optim.get("weight_decay", optimizer_default(optim.get("type", "AdamW"),
+                                                        "weight_decay"))
+    paramwise = check_paramwise("optim.paramwise", optim["paramwise"],
+                                has_decay=decay is not None)
+    return param_groups(module, optim.get("lr", 1e-3), decay, paramwise, prefix)
+
+
+def uses_paramwise(optim: Mapping[str, Any]) -> bool:
+    """Whether a checked optim section makes parameter groups (for any of its optimisers)."""
+    return optim.get("paramwise") is not None or any(
+        (overrides or {}).get("paramwise") is not None
+        for overrides in (optim.get("per_module") or {}).values())
+
+
+def plan_param_groups(cfg: Mapping[str, Any]) -> tuple[list[str] | str | None, list[str]]:
+    """The lines the run's log will list of its parameter groups, and the warnings about
+    them, for the dry run: the model is built on the meta device (shapes without memory or
+    weights), its optimiser(s) over it. None where no ``paramwise`` is set; for a model that
+    cannot be built there, a line saying so instead of the list (a config error raises)."""
+    optim = cfg["optim"]
+    if not uses_paramwise(optim):
+        return None, []
+    lines: list[str] = []
+    warnings: list[str] = []
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg["model"])
+            optimizers = optimizer_factory(optim, warnings.append, lines.extend)(model)
+        for optimizer in optimizers.values() if isinstance(optimizers, Mapping) \
+                else [optimizers]:
+            check_floors(cfg.get("scheduler"), optimizer)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        if str(error).startswith("scheduler."):  # a min_lr above a group's rate
+            raise ConfigError(str(error)) from None
+        return _unlisted(error), []
+    except Exception as error:  # a plan reports what it cannot know, it does not fail
+        return _unlisted(error), []
+    return lines, warnings
+
+
+def _unlisted(error: Exception) -> str:
+    return (f"not listed here: the model cannot be built on the meta device "
+            f"({type(error).__name__}: {first_line(error)}); the run's log lists them")
+
+
+def _warn_unmatched(missed: Mapping[str, set[str]],
+                    on_warning: Callable[[str], None] | None) -> None:
+    for where, keys in missed.items():
+        for key in sorted(keys):
+            (on_warning or log.warning)(unmatched_warning(where, key))
 
 
 def _own(overrides: Mapping[str, Any] | None) -> dict[str, Any]:

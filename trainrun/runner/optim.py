@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from trainrun.dist import phase
 from trainrun.dist.device import DTYPES, autocast_dtype
 from trainrun.dist.text import closest, is_number
+from trainrun.runner.paramwise import check_paramwise
 from trainrun.runner.schema import (
     ALIASES,
     BOOL,
@@ -42,6 +43,9 @@ from trainrun.runner.schema import (
 PRECISIONS = tuple(DTYPES)  # the names of `precision`
 # optim keys that are the optimiser wrapper's, not the optimiser's
 WRAPPER_KEYS = ("clip_grad", "accumulate", "per_module")
+# optim keys that say how the optimiser's parameter groups are made (runner/paramwise.py)
+GROUP_KEYS = ("paramwise",)
+ONE_GROUP = ("LBFGS",)  # optimisers that refuse parameter groups
 
 
 def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
@@ -229,6 +233,16 @@ def optimizer_arguments(name: str) -> set[str] | None:
     return {p for p in parameters if p not in ("self", "params")}
 
 
+def optimizer_default(name: str, argument: str) -> Any:
+    """The default of ``argument`` of ``torch.optim.<name>``; None where it takes no such
+    argument (or ``name`` is no optimiser)."""
+    cls = getattr(torch.optim, name, None)
+    if not callable(cls):
+        return None
+    found = inspect.signature(cls).parameters.get(argument)
+    return None if found is None or found.default is inspect.Parameter.empty else found.default
+
+
 CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}", section({
     "max_norm": (REQUIRED, number(above=0)),
     "norm_type": (2.0, rule("a number", is_number)),
@@ -251,9 +265,16 @@ def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
 def optim_table(kind: str, arguments: set[str] | None) -> Fields:
     """The keys every optim section has; weight_decay only where the optimiser takes it."""
     table: Fields = {"type": ("AdamW", lambda _, v: kind), "lr": (1e-3, number(above=0))}
-    if arguments is None or "weight_decay" in arguments:
+    has_decay = arguments is None or "weight_decay" in arguments
+    if has_decay:
         table["weight_decay"] = (0.0, number(at_least=0))
-    table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)))
+    paramwise = partial(check_paramwise, has_decay=has_decay)
+    if kind in ONE_GROUP:
+        paramwise = rule(f"null: {kind} takes one parameter group", lambda v: v is None)
+    # paramwise stays absent unless given, so that the saved config of a run from before it
+    # existed still matches on resume
+    table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)),
+                 paramwise=(OPTIONAL, paramwise))
     return table
 
 
@@ -280,7 +301,8 @@ def check_optim(key: str, value: Any, where: Callable[[str], str] | None = None)
                 f"did you mean '{sibling}'?" if hint
                 else f"{kind} takes {', '.join(sorted(arguments))}"))
     out = {name: check(where(name), value.get(name, default))
-           for name, (default, check) in table.items()}
+           for name, (default, check) in table.items()
+           if name in value or default is not OPTIONAL}
     return {**out, **extra}
 
 

@@ -153,7 +153,8 @@ class Runner:
                                               self.test_dataloader, "data.test")
 
             self.strategy = self._strategy(strategy)
-            make_optimizer = optimizer_factory(optim) if isinstance(optim, Mapping) else optim
+            make_optimizer = optimizer_factory(optim, self._warn_once, self._log_groups) \
+                if isinstance(optim, Mapping) else optim
             if self.train_dataloader is None:
                 make_optimizer = None
             optim_cfg = optim if isinstance(optim, Mapping) else {}
@@ -309,6 +310,15 @@ class Runner:
         for warning in warnings if self.cfg is None else ():
             self.logger.warning(warning)
         return out
+
+    def _warn_once(self, message: str) -> None:
+        """A warning every rank finds alike (about the config and the model), said by rank 0."""
+        if self.rank == 0:
+            self.logger.warning(message)
+
+    def _log_groups(self, lines: list[str]) -> None:
+        if self.rank == 0:
+            self.logger.info("parameter groups (optim.paramwise):\n  %s", "\n  ".join(lines))
 
     @staticmethod
     def _strategy(strategy: str | Mapping[str, Any] | Strategy) -> Strategy:

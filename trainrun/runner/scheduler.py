@@ -225,9 +225,31 @@ def build_scheduler(optimizer: Optimizer, cfg: Mapping[str, Any] | None,
         cfg = _plain(cfg)
     checked = check_scheduler(cfg)
     check_total_iters(checked, total_iters)
-    factors = [lr_factor(checked, total_iters, group.get("initial_lr", group["lr"]))
+    factors = [_in_group(group, lambda g: lr_factor(checked, total_iters,
+                                                     g.get("initial_lr", g["lr"])))
                for group in optimizer.param_groups]
     return IterationLR(optimizer, factors)
+
+
+def _in_group(group: dict[str, Any], make: Callable[[dict[str, Any]], Any]) -> Any:
+    """``make(group)``; its ValueError names the group where ``optim.paramwise`` made it
+    (each group's rate is a base of its own: min_lr must not exceed any)."""
+    try:
+        return make(group)
+    except ValueError as error:
+        if "name" not in group:
+            raise
+        raise ValueError(f"{error}: the rate of parameter group {group['name']} "
+                         f"(optim.paramwise)") from None
+
+
+def check_floors(cfg: Mapping[str, Any] | None, optimizer: Optimizer) -> None:
+    """Refuse (ValueError naming the group) a checked scheduler's min_lr above the learning
+    rate of one of ``optimizer``'s groups: what `build_scheduler` refuses, without a run."""
+    if cfg is None or cfg["type"] not in DECAYING:
+        return
+    for group in optimizer.param_groups:
+        _in_group(group, lambda g: _floor(cfg, g.get("initial_lr", g["lr"])))
 
 
 def _plain(cfg: Any) -> Any:
