@@ -246,12 +246,14 @@ BASES = sorted((REPO / "configs" / "_base_").rglob("*.yaml"))
 
 def test_the_shipped_configs_write_no_section_twice_and_use_every_base():
     """Each top-level section's text is written once across configs/ and configs/_base_; the
-    configs inherit the rest. (That they still resolve to what they did before they moved
+    configs inherit the rest. None sets ``name`` (the file's stem), so a config built on one
+    is named after its own file. (That they still resolve to what they did before they moved
     onto bases was checked when they moved; tests/examples trains each one.)"""
     written: dict[str, Path] = {}
     for path in [*SHIPPED, *BASES]:
         for key, value in yaml.safe_load(path.read_text()).items():
-            if key in ("_base_", "name"):
+            assert key != "name", path
+            if key == "_base_":
                 continue
             text = yaml.safe_dump({key: value}, sort_keys=True)
             assert text not in written, f"{key} in {path.name} repeats {written[text].name}"
