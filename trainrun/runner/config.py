@@ -2,11 +2,11 @@
 
 `load_config` reads the file with OmegaConf's safe YAML loader (no tag builds a Python
 object), merges it over the files its ``_base_`` names (`inherit.py`), merges ``key=value``
-overrides, resolves interpolations such as ``${name}`` and then
-checks every section against its table, filling defaults (each table lives beside the code
-that uses the section; `schema.py` says how one is written). Every error is one line that
-names the dotted key, the bad value and what was expected. Interpolations see only the keys
-written in the file or the overrides: defaults are filled after resolution.
+overrides, resolves interpolations such as ``${name}`` and then checks every section against
+its table, filling defaults (each table lives beside the code that uses the section;
+`schema.py` says how one is written). Every error is one line that names the dotted key, the
+bad value and what was expected. Interpolations see only the keys written in the files or the
+overrides: defaults are filled after resolution.
 """
 
 from __future__ import annotations
