@@ -41,8 +41,8 @@ def _make_inputs(root: Path) -> dict[str, Path]:
     files["broken_yaml"] = root / "broken.yaml"
     files["broken_yaml"].write_text("model: {type: DigitsMLP\n")
     files["python_tag"] = root / "tag.yaml"
-    files["python_tag"].write_text(CONFIG.read_text().replace(
-        "name: digits_ddp", f"name: !!python/object/apply:os.system ['touch {marker}']"))
+    files["python_tag"].write_text(CONFIG.read_text() + (
+        f"name: !!python/object/apply:os.system ['touch {marker}']\n"))
     files["a_list"] = root / "list.yaml"
     files["a_list"].write_text("- model\n- data\n")
     files["garbage"] = root / "garbage.pth"

@@ -71,7 +71,8 @@ def test_the_installed_package_sweeps_and_verifies_a_resume_outside_the_checkout
     python, env = installed
     venv = python.parents[1]
     config = tmp_path / "digits.yaml"  # the user's own config file, beside nothing of trainrun
-    shutil.copy(REPO / "configs" / "digits_single.yaml", config)
+    shutil.copy(REPO / "configs" / "digits_single.yaml", config)  # but the bases it names
+    shutil.copytree(REPO / "configs" / "_base_", tmp_path / "_base_")
     where = subprocess.run([str(python), "-c", "import trainrun, trainrun.cli.sweep as s; "
                             "print(trainrun.__file__); print(s.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -1,11 +1,12 @@
 """The run's config: YAML through OmegaConf, dotlist overrides, interpolation, validation.
 
 `load_config` reads the file with OmegaConf's safe YAML loader (no tag builds a Python
-object), merges ``key=value`` overrides, resolves interpolations such as ``${name}`` and then
-checks every section against its table, filling defaults (each table lives beside the code
-that uses the section; `schema.py` says how one is written). Every error is one line that
-names the dotted key, the bad value and what was expected. Interpolations see only the keys
-written in the file or the overrides: defaults are filled after resolution.
+object), merges it over the files its ``_base_`` names (`inherit.py`), merges ``key=value``
+overrides, resolves interpolations such as ``${name}`` and then checks every section against
+its table, filling defaults (each table lives beside the code that uses the section;
+`schema.py` says how one is written). Every error is one line that names the dotted key, the
+bad value and what was expected. Interpolations see only the keys written in the files or the
+overrides: defaults are filled after resolution.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.runner.builder import LOADER_KEYS, MODEL, check_data
 from trainrun.runner.hooks.checkpoint import check_checkpoint
 from trainrun.runner.hooks.logger import check_logging
+from trainrun.runner.inherit import MARKERS, read_with_bases
 from trainrun.runner.loops import check_schedule
 from trainrun.runner.optim import PRECISIONS, check_optim_section
 from trainrun.runner.preemption import PREEMPTION
@@ -141,30 +143,37 @@ def _omegaconf_message(error: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
-def read_yaml(path: str | os.PathLike[str]) -> DictConfig:
-    """The file's mapping, with OmegaConf's safe loader: tags that build objects are refused."""
+def read_yaml(path: str | os.PathLike[str], shown: str | None = None) -> DictConfig:
+    """The file's own mapping (its ``_base_`` not followed), with OmegaConf's safe loader:
+    tags that build objects are refused. Errors name ``shown`` (default: the path)."""
     path = Path(path)
+    shown = str(path) if shown is None else shown
     if not path.is_file():
         raise ConfigError(f"config file not found: {str(path)!r}")
     try:
         cfg = OmegaConf.load(path)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        where = f"{shown}:{mark.line + 1}" if mark else shown
         problem = (error.problem or error.context or "invalid YAML").replace("\n", " ")
         if "constructor for the tag" in problem:
             problem += " (tags that build Python objects are not allowed)"
         raise ConfigError(f"{where}: {problem}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: {first_line(error)}") from None
+        raise ConfigError(f"{shown}: {first_line(error)}") from None
     except OmegaConfBaseException as error:
-        raise ConfigError(f"{path}: {_omegaconf_message(error)}") from None
+        raise ConfigError(f"{shown}: {_omegaconf_message(error)}") from None
     except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path}: cannot read the config: {error}") from None
+        raise ConfigError(f"{shown}: cannot read the config: {error}") from None
     if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{path}: got a {type(cfg).__name__} at the top level, "
+        raise ConfigError(f"{shown}: got a {type(cfg).__name__} at the top level, "
                           f"expected a mapping of keys")
     return cfg
+
+
+def read_config(path: str | os.PathLike[str]) -> DictConfig:
+    """The file's mapping merged over its ``_base_`` files (`inherit.py`), unresolved."""
+    return read_with_bases(path, read_yaml)
 
 
 def parse_override(override: str) -> DictConfig:
@@ -174,6 +183,9 @@ def parse_override(override: str) -> DictConfig:
     if not equals or not all(part.strip() for part in parts):
         raise ConfigError(f"override {override!r}: expected key=value with a dotted key, "
                           f"e.g. optim.lr=0.01")
+    marker = next((part.strip() for part in parts if part.strip() in MARKERS), None)
+    if marker:
+        raise ConfigError(f"override {override!r}: {marker} works only inside a config file")
     try:
         return OmegaConf.from_dotlist([override])
     except yaml.YAMLError as error:
@@ -240,12 +252,14 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
     """Read, override, resolve and validate the config at ``path``.
 
     ``overrides`` are ``key=value`` strings (``--cfg-options``); ``values`` are set after them
-    (command-line flags). ``name`` defaults to the file's stem. ``mode`` 'test' needs data.test
-    instead of data.train. Warnings go to ``on_warning`` (default: the 'trainrun' logger).
-    Raises ConfigError with one line naming the key.
+    (command-line flags). The files the config's ``_base_`` names are merged under it
+    first, so interpolations resolve across them. ``name`` defaults to the stem of ``path``
+    (not a base's). ``mode`` 'test' needs data.test instead of data.train. Warnings go to
+    ``on_warning`` (default: the 'trainrun' logger). Raises ConfigError with one line naming
+    the key.
     """
     overrides = list(overrides)
-    cfg = apply_overrides(read_yaml(path), overrides, values)
+    cfg = apply_overrides(read_config(path), overrides, values)
     if cfg.get("name", None) is None:
         cfg["name"] = Path(path).stem
     replaced = _length_from_command_line(cfg, overrides)
