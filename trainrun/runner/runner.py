@@ -90,6 +90,13 @@ from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng
 from trainrun.wrappers import Strategy, build_strategy
 
 
+def _option_names(hook: Any) -> list[str]:
+    """The names of a hook's options: its table's, else its constructor's."""
+    table = getattr(type(hook), "OPTIONS", None)
+    return list(table) if isinstance(table, Mapping) else \
+        list(inspect.signature(type(hook)).parameters)
+
+
 class Runner:
     """Trains, validates and tests one model under one strategy.
 
@@ -356,12 +363,12 @@ class Runner:
                 hook = build_hook(key, hook, warnings)
                 for warning in warnings if self.cfg is None else ():  # else said by the config
                     self.logger.warning(warning)
-            options = list(getattr(hook, "OPTIONS", None) or inspect.signature(type(hook))
-                           .parameters)
+            check = getattr(hook, "check", None)  # (a hook need not derive from Hook)
             try:
-                hook.check(self)
+                if check is not None:
+                    check(self)
             except ValueError as error:
-                raise hook_error(key, error, options) from None
+                raise hook_error(key, error, _option_names(hook)) from None
             built.append(hook)
         return built
 
@@ -443,7 +450,8 @@ class Runner:
         is what the user needs to see."""
         for hook in self.hooks:
             try:
-                hook.on_error(self, error)
+                if hasattr(hook, "on_error"):
+                    hook.on_error(self, error)
             except Exception:
                 self.logger.exception("%s.on_error failed", type(hook).__name__)
 
@@ -516,7 +524,7 @@ class Runner:
         for key, hook in self._keyed_hooks():
             if not hasattr(hook, "state_dict"):
                 continue
-            if getattr(hook, "state_per_rank", False):
+            if getattr(hook, "state_per_rank", False) is True:
                 states[key] = {"per_rank": gather_object(hook.state_dict(), dst=0)}
             else:
                 states[key] = hook.state_dict()
@@ -529,7 +537,7 @@ class Runner:
             if not hasattr(hook, "load_state_dict") or key not in states:
                 continue
             state = states[key]
-            if getattr(hook, "state_per_rank", False):
+            if getattr(hook, "state_per_rank", False) is True:
                 per_rank = state["per_rank"]
                 if len(per_rank) != self.world_size:
                     self.logger.warning("%s: the checkpoint holds the states of %d ranks, this "
