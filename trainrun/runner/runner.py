@@ -9,7 +9,6 @@ metrics and hooks last. ``train()`` resumes or loads weights first, then loops.
 from __future__ import annotations
 
 import gc
-import inspect
 import os
 import pickle
 import time
@@ -77,7 +76,7 @@ from trainrun.runner.hooks import (
     ValidationHook,
 )
 from trainrun.runner.hooks.checkpoint import check_checkpoint
-from trainrun.runner.hooks.from_config import build_hook, hook_error
+from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
@@ -88,13 +87,6 @@ from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
 from trainrun.wrappers import Strategy, build_strategy
-
-
-def _option_names(hook: Any) -> list[str]:
-    """The names of a hook's options: its table's, else its constructor's."""
-    table = getattr(type(hook), "OPTIONS", None)
-    return list(table) if isinstance(table, Mapping) else \
-        list(inspect.signature(type(hook)).parameters)
 
 
 class Runner:
@@ -368,7 +360,7 @@ class Runner:
                 if check is not None:
                     check(self)
             except ValueError as error:
-                raise hook_error(key, error, _option_names(hook)) from None
+                raise hook_error(key, error, option_names(type(hook))) from None
             built.append(hook)
         return built
 

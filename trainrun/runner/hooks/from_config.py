@@ -17,6 +17,7 @@ the run is built, before anything is written: the constructor's ValueError, and 
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -101,6 +102,13 @@ def check_hooks(key: str, value: Any, warnings: list[str]) -> list[dict[str, Any
 check_hooks.expected = "a list of hooks"  # type: ignore[attr-defined]
 
 
+def option_names(cls: type) -> list[str]:
+    """The names of a hook class's options: its table's, else its constructor's."""
+    table = getattr(cls, "OPTIONS", None)
+    return list(table) if isinstance(table, Mapping) else \
+        list(inspect.signature(cls).parameters)
+
+
 def hook_error(key: str, error: Exception, options: Sequence[str]) -> ConfigError:
     """A hook's ValueError as a ConfigError naming ``key``, and its option where the message
     begins with one (``patience: ...``)."""
@@ -119,7 +127,7 @@ def build_hook(key: str, item: Mapping[str, Any], warnings: list[str]) -> Hook:
     try:
         hook = cls(**options)
     except ValueError as error:
-        raise hook_error(key, error, list(options)) from None
+        raise hook_error(key, error, option_names(cls)) from None
     if "priority" in checked:
         hook.priority = priority_value(checked["priority"])
     return hook
