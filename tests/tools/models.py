@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from trainrun.examples.digits import DigitsDataset, DigitsMLP
+from trainrun.runner.hooks import Hook
 
 
 class SlowDigitsMLP(DigitsMLP):
@@ -73,3 +75,31 @@ class NoisyDigits(DigitsDataset):
         noise = (torch.randn(item["inputs"].shape) + float(np.random.uniform(-1, 1))
                  + random.gauss(0, 1))
         return {**item, "inputs": item["inputs"] + self.noise * noise}
+
+
+class CountingHook(Hook):
+    """A user's hook with state of each rank's own: it counts the training steps it saw,
+    ``weight`` times (rank + 1) each, and at the end writes ``hook_rank<r>.json`` (the step
+    training ended at, and the count) into the run directory. Restored from a checkpoint, the
+    count of a resumed run ends where an unbroken run's does."""
+
+    state_per_rank = True
+
+    def __init__(self, weight: int = 1):
+        if weight < 1:
+            raise ValueError(f"weight: got {weight}, expected an int >= 1")
+        self.weight = weight
+        self.count = 0
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        self.count += self.weight * (runner.rank + 1)
+
+    def after_run(self, runner):
+        path = runner.work_dir / f"hook_rank{runner.rank}.json"
+        path.write_text(json.dumps({"step": runner.iter, "count": self.count}))
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]

@@ -22,6 +22,8 @@ from trainrun.dist.launch import (
     resolve_backend,
 )
 from trainrun.dist.text import show
+from trainrun.runner.hooks.base import SLOTS
+from trainrun.runner.hooks.from_config import planned_order
 from trainrun.runner.sampler import batches_per_epoch
 
 
@@ -140,6 +142,14 @@ def _checkpoints(cfg: Mapping[str, Any]) -> str:
     return f"{every}, keep {keep}, save last: {_show(ckpt['save_last'])}, {best}"
 
 
+def _hooks(cfg: Mapping[str, Any]) -> str:
+    """Every hook in the order it runs (built-in ones by their slot's name)."""
+    builtin = [name for name in ("timer", "logger", "validation", "checkpoint", "preemption")
+               if name != "validation" or cfg["data"]["val"] is not None]
+    rows = planned_order([(name, SLOTS[name]) for name in builtin], cfg.get("hooks") or [])
+    return ", ".join(f"{_with_options(item)} [{number}]" for number, item in rows)
+
+
 def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None,
                   dataset_length: int | None = None,
                   param_groups: Sequence[str] | str | None = None) -> str:
@@ -180,6 +190,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("precision", cfg["precision"]),
         ("seed", _options(cfg["randomness"])),
         ("checkpoints", _checkpoints(cfg)),
+        ("hooks", _hooks(cfg)),
         ("resume", _resume(cfg["resume"])),
         ("load_from", cfg["load_from"] or "none"),
         ("work_dir", f"{cfg['work_dir']} (not created by a dry run)"),

@@ -1,4 +1,4 @@
-"""The built-in models, data sets and metrics, by the short names configs use.
+"""The built-in models, data sets, metrics and hooks, by the short names configs use.
 
 Each registry maps a short name to where the object lives (``"module:attribute"``), so
 importing this package imports no model: `resolve` imports only what a config asks for. A
@@ -37,15 +37,22 @@ METRICS: dict[str, tuple[str, dict[str, Any]]] = {
     "mode_distance": ("trainrun.runner.evaluation:MeanOf", {"name": "mode_distance"}),
 }
 
-REGISTRIES: dict[str, dict[str, Any]] = {"model": MODELS, "dataset": DATASETS, "metric": METRICS}
+# the hooks a config's ``hooks:`` list names (trainrun/runner/hooks/)
+HOOKS: dict[str, str] = {
+    "EarlyStopping": "trainrun.runner.hooks.early_stopping:EarlyStoppingHook",
+    "Profiler": "trainrun.runner.hooks.profiler:ProfilerHook",
+}
+
+REGISTRIES: dict[str, dict[str, Any]] = {"model": MODELS, "dataset": DATASETS, "metric": METRICS,
+                                         "hook": HOOKS}
 
 
 def resolve(kind: str, name: str) -> Any:
     """The class (or, for a metric with default options, a `functools.partial` of it) that
     ``name`` stands for; call it with the config section's remaining options.
 
-    ``kind`` is ``'model'``, ``'dataset'`` or ``'metric'``. ``name`` is a short name of that
-    registry, or, when it contains a dot, an import path ``pkg.module.Class`` or
+    ``kind`` is ``'model'``, ``'dataset'``, ``'metric'`` or ``'hook'``. ``name`` is a short
+    name of that registry, or, when it contains a dot, an import path ``pkg.module.Class`` or
     ``pkg.module:Class``. Raises ValueError naming the kind, the name and the choices.
     """
     if kind not in REGISTRIES:
@@ -112,4 +119,4 @@ def _registered(kind: str, registry: dict[str, Any]) -> str:
     return f"Registered {kind}s: {', '.join(sorted(registry))}"
 
 
-__all__ = ["DATASETS", "METRICS", "MODELS", "REGISTRIES", "import_target", "resolve"]
+__all__ = ["DATASETS", "HOOKS", "METRICS", "MODELS", "REGISTRIES", "import_target", "resolve"]

@@ -27,6 +27,7 @@ from trainrun.dist.text import first_line, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.runner.builder import LOADER_KEYS, MODEL, check_data
 from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.hooks.from_config import check_hooks
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.inherit import MARKERS, read_with_bases
 from trainrun.runner.loops import check_schedule
@@ -102,6 +103,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "logging": (None, partial(check_logging, warnings=warnings)),
         "checkpoint": (None, partial(check_checkpoint, warnings=warnings)),
         "preemption": (None, PREEMPTION),
+        "hooks": ([], partial(check_hooks, warnings=warnings)),
         "resume": (False, check_resume),
         "load_from": (None, nullable(existing_path)),
     }

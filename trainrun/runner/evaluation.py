@@ -20,7 +20,13 @@ class MetricError(RuntimeError):
 
 
 class BaseMetric(ABC):
-    """Collects per-sample results with ``process``; ``compute`` turns all of them into numbers."""
+    """Collects per-sample results with ``process``; ``compute`` turns all of them into numbers.
+
+    ``names``: the keys ``compute`` returns, where the class knows them before it runs (hooks
+    such as EarlyStopping check the metric they watch against them); None: not known.
+    """
+
+    names: tuple[str, ...] | None = None
 
     def __init__(self, collect_device: str = "cpu"):
         self.collect_device = collect_device
@@ -56,6 +62,8 @@ class Accuracy(BaseMetric):
     """Top-1 accuracy: ``outputs`` are class indices (or scores, then their argmax) and the
     batch holds the true labels under ``label_key``."""
 
+    names = ("accuracy",)
+
     def __init__(self, label_key: str = "labels", collect_device: str = "cpu"):
         super().__init__(collect_device)
         self.label_key = label_key
@@ -75,6 +83,7 @@ class MeanOf(BaseMetric):
     def __init__(self, name: str = "loss", collect_device: str = "cpu"):
         super().__init__(collect_device)
         self.name = name
+        self.names = (name,)
 
     def process(self, batch: Any, outputs: Any) -> None:
         self.results.extend(torch.as_tensor(outputs).reshape(-1).double().cpu().tolist())

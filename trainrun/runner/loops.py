@@ -68,7 +68,7 @@ class TrainLoop:
         schedulers), then the ``after_train_iter`` hooks in the order `hooks.base` states: the
         step's time, its log line, validation where due, your hooks, the checkpoint, and last
         the check for a stop signal. An epoch that ends calls ``after_train_epoch`` in the
-        same order."""
+        same order. A hook's `request_stop` ends the loop after the step's hooks."""
         runner, loader = self.runner, self.dataloader
         start_epoch(loader, runner.epoch, runner.seed, from_cursor=self.resume_mid_epoch)
         self.resume_mid_epoch = False
@@ -91,7 +91,8 @@ class TrainLoop:
             for scheduler in runner.schedulers:
                 scheduler.step()
             runner.call_hook("after_train_iter", batch_idx, batch, outputs)
-            if not runner.by_epoch and runner.iter >= runner.max_iters:
+            if runner.stop_reason is not None or (not runner.by_epoch
+                                                  and runner.iter >= runner.max_iters):
                 finished = batch_idx + 1 == len(loader)
                 break
             at_step(runner.iter + 1)

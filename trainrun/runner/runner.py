@@ -76,6 +76,7 @@ from trainrun.runner.hooks import (
     ValidationHook,
 )
 from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
@@ -109,7 +110,7 @@ class Runner:
         schedule: Mapping[str, Any] | None = None,
         val_metrics: Sequence[BaseMetric] | None = None,
         test_metrics: Sequence[BaseMetric] | None = None,
-        hooks: Sequence[Hook] = (),
+        hooks: Sequence[Hook | Mapping[str, Any]] = (),
         randomness: Mapping[str, Any] | None = None,
         logging: Mapping[str, Any] | None = None,
         checkpoint: Mapping[str, Any] | None = None,
@@ -176,15 +177,18 @@ class Runner:
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
             self.start_from = self._start_point()  # damaged: refused before anything is written
             self._check_fits(shapes)  # another model's: the same
+            extra_hooks = self._extra_hooks(hooks)  # a hook's bad option: the same
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
             self._prepare_work_dir()
             self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
             self.timer = IterTimerHook()
-            self.hooks = self._hooks(hooks, self._section(check_logging, "logging", logging),
+            self.hooks = self._hooks(extra_hooks, self._section(check_logging, "logging",
+                                                                logging),
                                      checkpoint, schedule["val_interval"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
             self.iter = 0  # finished training iterations
             self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
+            self.stop_reason: str | None = None  # why training ends early (`request_stop`)
             self.training = False
             self.failed_at_step: int | None = None  # the step training was in when it raised
             self.train_loop = TrainLoop(self, self.train_dataloader) \
@@ -218,6 +222,7 @@ class Runner:
             logging=plain["logging"],
             checkpoint=plain["checkpoint"],
             preemption=plain["preemption"],
+            hooks=plain.get("hooks") or [],
             resume=plain["resume"],
             load_from=plain["load_from"],
             launcher=plain["launcher"],
@@ -349,6 +354,26 @@ class Runner:
         except ValueError as error:  # its messages name the key: a config that cannot run
             raise ConfigError(str(error)) from None
 
+    def _extra_hooks(self, hooks: Sequence[Hook | Mapping[str, Any]]) -> list[Hook]:
+        """The hooks given, those described by a config's ``hooks`` items built, each checked
+        against the built run (`Hook.check`); a refusal is a ConfigError naming the item."""
+        built: list[Hook] = []
+        for i, hook in enumerate(hooks):
+            key = f"hooks[{i}]"
+            if isinstance(hook, Mapping):
+                warnings: list[str] = []
+                hook = build_hook(key, hook, warnings)
+                for warning in warnings if self.cfg is None else ():  # else said by the config
+                    self.logger.warning(warning)
+            check = getattr(hook, "check", None)  # (a hook need not derive from Hook)
+            try:
+                if check is not None:
+                    check(self)
+            except ValueError as error:
+                raise hook_error(key, error, option_names(type(hook))) from None
+            built.append(hook)
+        return built
+
     def _hooks(self, extra: Sequence[Hook], logging: dict[str, Any],
                checkpoint: dict[str, Any], val_interval: int) -> list[Hook]:
         hooks: list[Hook] = [self.timer, LoggerHook(logging["interval"], logging["backends"])]
@@ -368,7 +393,17 @@ class Runner:
         for hook in self.hooks:
             getattr(hook, name)(self, *args)
 
+    def request_stop(self, reason: str) -> None:
+        """End training after the hooks of the current step (or epoch): a checkpoint of that
+        step is written and the run ends as a finished one, logging ``reason``. Every rank
+        must ask at the same step (decide from numbers every rank has, such as rank 0's
+        validation metrics): the ranks do not vote."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
     def train_done(self) -> bool:
+        if self.stop_reason is not None:
+            return True
         if self.by_epoch:
             return self.epoch >= self.max_epochs
         return self.iter >= self.max_iters
@@ -388,19 +423,39 @@ class Runner:
                 stop_signals(self.stop_signals) as self.stop_request:
             try:
                 self.train_loop.run()
-            except Preempted:
+            except Preempted as stop:
+                self._hooks_on_error(stop)
                 raise
-            except Exception as error:
-                self.failed_at_step = self.iter + 1
-                self._tell_peers(error, heartbeat)
-                self.logger.exception("rank %d: training failed at step %d (epoch %d)",
-                                      self.rank, self.iter + 1, self.epoch + 1)
+            except BaseException as error:
+                if isinstance(error, Exception):
+                    self.failed_at_step = self.iter + 1
+                    try:
+                        self._tell_peers(error, heartbeat)
+                    finally:
+                        self._hooks_on_error(error)
+                    self.logger.exception("rank %d: training failed at step %d (epoch %d)",
+                                          self.rank, self.iter + 1, self.epoch + 1)
+                else:  # Ctrl-C and the like
+                    self._hooks_on_error(error)
                 raise
             finally:
                 self.training = False
                 self.stop_request = None
+        if self.stop_reason is not None and self.checkpoints.last_saved is not None:
+            self.logger.info("%s; checkpoint %s written", self.stop_reason,
+                             self.checkpoints.last_saved.name)
         self.call_hook("after_run")
         return self.model
+
+    def _hooks_on_error(self, error: BaseException) -> None:
+        """Every hook's ``on_error``; one that fails itself is logged, not raised: ``error``
+        is what the user needs to see."""
+        for hook in self.hooks:
+            try:
+                if hasattr(hook, "on_error"):
+                    hook.on_error(self, error)
+            except Exception:
+                self.logger.exception("%s.on_error failed", type(hook).__name__)
 
     @staticmethod
     def _tell_peers(error: Exception, heartbeat: Heartbeat | None) -> None:
@@ -461,9 +516,38 @@ class Runner:
             "optim_wrapper": wrapper_states,
             "schedulers": [s.state_dict() for s in self.schedulers],
             "rng": rngs,
-            "hooks": {key: hook.state_dict() for key, hook in self._keyed_hooks()
-                      if hasattr(hook, "state_dict")},
+            "hooks": self._hook_states(),
         }
+
+    def _hook_states(self) -> dict[str, Any]:
+        """The hooks' states by key: rank 0's, or for a hook with ``state_per_rank`` every
+        rank's (gathered: every rank calls this)."""
+        states = {}
+        for key, hook in self._keyed_hooks():
+            if not hasattr(hook, "state_dict"):
+                continue
+            if getattr(hook, "state_per_rank", False) is True:
+                states[key] = {"per_rank": gather_object(hook.state_dict(), dst=0)}
+            else:
+                states[key] = hook.state_dict()
+        return states
+
+    def _load_hook_states(self, states: Mapping[str, Any]) -> None:
+        """Each hook's state from a checkpoint: its own rank's for a ``state_per_rank`` hook
+        (where the world size is the one that saved it)."""
+        for key, hook in self._keyed_hooks():
+            if not hasattr(hook, "load_state_dict") or key not in states:
+                continue
+            state = states[key]
+            if getattr(hook, "state_per_rank", False) is True:
+                per_rank = state["per_rank"]
+                if len(per_rank) != self.world_size:
+                    self.logger.warning("%s: the checkpoint holds the states of %d ranks, this "
+                                        "job has %d: its state starts afresh", key,
+                                        len(per_rank), self.world_size)
+                    continue
+                state = per_rank[self.rank]
+            hook.load_state_dict(state)
 
     def _keyed_hooks(self) -> list[tuple[str, Hook]]:
         """Each hook with the key of its state in a checkpoint: its class's name, and for a
@@ -579,9 +663,7 @@ class Runner:
             # the epoch being trained goes on from the cursor, even one at the epoch's end (a
             # checkpoint after its last step): that epoch is then finished, not started again
             self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
-        for key, hook in self._keyed_hooks():
-            if hasattr(hook, "load_state_dict") and key in state["hooks"]:
-                hook.load_state_dict(state["hooks"][key])
+        self._load_hook_states(state["hooks"])
         rngs = state["rng"]
         if len(rngs) == self.world_size:
             set_rng_state(rngs[self.rank])

@@ -11,23 +11,67 @@ before_run
 after_run
 
 Hooks run in ascending ``priority``. Every method receives the runner; the default does nothing.
+``on_error`` is called instead of the rest when training ends by an exception.
+
+A hook that keeps state defines ``state_dict()`` and ``load_state_dict(state)``: the state goes
+into every checkpoint (keyed by the class's name, ``Name#2`` for a second one) and is loaded
+on resume. It is rank 0's state, loaded by every rank; a hook whose state differs between
+ranks sets ``state_per_rank = True``, and then each rank's own is saved and given back to it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
+
+from trainrun.runner.schema import ConfigError, Fields, fields, unknown_key
 
 # The order of the built-in hooks at every point, after each training step in particular: the
 # step's time is taken, its numbers logged, validation runs where due, a hook of yours (NORMAL
 # unless it sets its own priority), then the checkpoint (so it holds the validation's best)
 # and last the check for a stop signal (which stops after that checkpoint).
+# The profiler marks a step's end after all of them, so that a traced step holds its hooks.
 TIMER, LOGGER, VALIDATION, NORMAL, CHECKPOINT, PREEMPTION = 10, 20, 40, 50, 60, 70
+PROFILER = 80
+# The built-in slots by name, for a config's ``priority: before_checkpoint`` and the like.
+SLOTS = {"timer": TIMER, "logger": LOGGER, "validation": VALIDATION, "normal": NORMAL,
+         "checkpoint": CHECKPOINT, "preemption": PREEMPTION}
 
 
 class Hook:
     """Base class: override the points you need."""
 
     priority: int = NORMAL
+    state_per_rank: bool = False  # see the module's docstring
+    # The options a config may give (key -> (default, check), see `schema.py`); None: those
+    # the constructor's signature names, bound against it.
+    OPTIONS: Fields | None = None
+
+    @classmethod
+    def check_options(cls, key: str, options: dict[str, Any],
+                      warnings: list[str]) -> dict[str, Any]:
+        """The options a config's ``hooks`` item ``key`` gives this class, checked (and
+        completed, where the class has a table of `OPTIONS`); a ConfigError names the key."""
+        if cls.OPTIONS is not None:
+            return fields(key, options, cls.OPTIONS)
+        signature = inspect.signature(cls)
+        params = signature.parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            for name in options:
+                if name not in params:
+                    raise unknown_key(key, name, ["type", "priority", *params])
+        try:
+            signature.bind(**options)
+        except TypeError as error:
+            raise ConfigError(f"{key}: {cls.__name__} does not take these arguments: "
+                              f"{error}") from None
+        return dict(options)
+
+    def check(self, runner: Any) -> None:
+        """Called on every rank once the run is built, before anything is written: raise
+        ValueError for a setting that the built run shows to be wrong (a metric validation
+        does not produce); a message ``option: ...`` is reported as the config's
+        ``hooks[i].option``."""
 
     def before_run(self, runner: Any) -> None: ...
     def after_run(self, runner: Any) -> None: ...
@@ -44,6 +88,10 @@ class Hook:
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None: ...
     def before_test(self, runner: Any) -> None: ...
     def after_test(self, runner: Any, metrics: dict[str, float]) -> None: ...
+
+    def on_error(self, runner: Any, error: BaseException) -> None:
+        """Training ended by ``error`` (a failure, a stop signal, Ctrl-C): release what
+        ``before_train`` took. No collectives here: another rank may be gone."""
 
 
 def every(count: int, interval: int) -> bool:

@@ -51,7 +51,7 @@ class CheckpointHook(Hook):
             self._save(runner, self.background)
 
     def after_train(self, runner: Any) -> None:
-        if self.save_last:
+        if self.save_last or getattr(runner, "stop_reason", None):  # stopped early: saved too
             self._save(runner)  # in the foreground: the job ends next
         runner.checkpoints.finish()
 
