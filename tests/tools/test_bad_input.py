@@ -124,6 +124,17 @@ CASES = [
      ["checkpoint.async", "deepspeed"]),
     (["--cfg-options", "scheduler.type=cosine", "scheduler.warmup_iters=5000"],
      ["scheduler.warmup_iters", "5000"]),
+    # data options (issue 13): collate_fn
+    (["--cfg-options", "data.train.collate_fn=pad_sequence"],
+     ["data.train.collate_fn", "did you mean 'pad_sequences'"]),
+    (["--dry-run", "--cfg-options", "data.train.collate_fn=pad_sequence"],
+     ["data.train.collate_fn", "did you mean 'pad_sequences'"]),
+    (["--cfg-options", "data.train.collate_fn=5"], ["data.train.collate_fn", "got 5"]),
+    (["--cfg-options", "data.val.collate_fn=os.sep"], ["data.val.collate_fn", "os.sep", "str"]),
+    (["--cfg-options", "data.train.collate_fn.type=pad_sequences", "data.train.collate_fn.pad=0"],
+     ["data.train.collate_fn", "pad_sequences", "'pad'"]),
+    (["--cfg-options", "data.train.collate_fn=no_such_pkg.collate"],
+     ["data.train.collate_fn", "no_such_pkg"]),
     # missing or corrupt checkpoints and paths
     (["--resume", "{root}/missing.pth"], ["resume", "missing.pth"]),
     (["--resume", "{garbage}"], ["resume", "garbage.pth", "not a readable checkpoint"]),

@@ -54,6 +54,16 @@ def _with_options(section: Mapping[str, Any]) -> str:
     return section["type"] + (f" ({options})" if options else "")
 
 
+def _data(section: Mapping[str, Any], length: str | None = None) -> str:
+    """A data section's type, its length where known, and its collate function if not the
+    default."""
+    text = section["type"] + (f", {length}" if length else "")
+    collate = section.get("collate_fn")
+    if collate:
+        text += ", collate_fn " + (collate if isinstance(collate, str) else _with_options(collate))
+    return text
+
+
 def _resume(resume: bool | str) -> str:
     if isinstance(resume, str):
         return resume
@@ -155,7 +165,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("strategy", _with_options(cfg["strategy"])),
         ("devices", _devices(cfg["launcher"], world_size)),
         ("model", cfg["model"]["type"]),
-        ("train data", f"{train['type']}, {length}"),
+        ("train data", _data(train, length)),
         ("batch size", f"{batch} per rank; effective {batch} x {world_size} ranks x "
                        f"{optim['accumulate']} accumulated = {effective}"),
         ("iterations", _steps(cfg, world_size, dataset_length)),

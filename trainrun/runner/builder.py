@@ -20,6 +20,7 @@ from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
 from trainrun.runner.schema import (
     BOOL,
+    OPTIONAL,
     REQUIRED,
     TEXT,
     Check,
@@ -39,9 +40,11 @@ from trainrun.runner.seed import seed_worker
 from trainrun.wrappers.base import Optimizers
 
 DEFAULT_BATCH_SIZE = 32
-# DataLoader options of a data section; the rest (but `type` and `metrics`) goes to the data set
+# DataLoader options of a data section, each filled with its default; the rest (but `type`,
+# `metrics` and the LOADER_OPTIONS given only when set) goes to the data set
 LOADER_KEYS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory",
                "persistent_workers")
+LOADER_OPTIONS = (*LOADER_KEYS, "collate_fn")
 
 
 def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -87,7 +90,7 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     streams, which checkpoints save.
     """
     name, options = _split(cfg)
-    loader = {option: options.pop(option) for option in LOADER_KEYS if option in options}
+    loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
     options.pop("metrics", None)
     dataset = construct(key, "dataset", name, options)
     shuffle = loader.pop("shuffle", train)
@@ -100,6 +103,7 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
         dataset,
         batch_size=loader.get("batch_size", DEFAULT_BATCH_SIZE),
         sampler=sampler,
+        collate_fn=collate_function(f"{key}.collate_fn", loader.get("collate_fn")),
         num_workers=num_workers,
         drop_last=loader.get("drop_last", False) and train,
         pin_memory=loader.get("pin_memory", False),
@@ -115,6 +119,29 @@ def _resolved(key: str, kind: str, name: str) -> Any:
         return resolve(kind, name)
     except ValueError as error:
         raise ConfigError(f"{key}: {error}") from None
+
+
+def collate_function(key: str, value: str | Mapping[str, Any] | None) -> Any:
+    """The function a ``collate_fn`` value names (None: torch's default): a registered name
+    or an import path, or ``{type: ..., **options}`` with the options bound by
+    `functools.partial`. Imported and checked (callable, takes a batch and the options) here,
+    so a wrong one is a ConfigError naming ``key`` before anything runs."""
+    if value is None:
+        return None
+    name, options = (value, {}) if isinstance(value, str) else _split(value)
+    named = key if isinstance(value, str) else f"{key}.type"
+    target = _resolved(named, "collate", name)
+    if not callable(target):
+        raise ConfigError(f"{named}: {name} is a {type(target).__name__}, expected a function "
+                          f"that takes a batch (a list of samples)")
+    try:
+        inspect.signature(target).bind(None, **options)  # the batch, then the options
+    except TypeError as error:
+        raise ConfigError(f"{key}: {name} does not take a batch and these options "
+                          f"({', '.join(options) or 'none'}): {error}") from None
+    except ValueError:
+        pass  # no signature to check against (a builtin): the call itself will tell
+    return partial(target, **options) if options else target
 
 
 def build_metrics(cfg: Mapping[str, Any] | None, dataset: Any,
@@ -133,6 +160,7 @@ def check_types(cfg: Mapping[str, Any]) -> None:
         if not loader:
             continue
         _resolved(f"data.{split}.type", "dataset", loader["type"])
+        collate_function(f"data.{split}.collate_fn", loader.get("collate_fn"))
         for name in loader.get("metrics") or []:
             _resolved(f"data.{split}.metrics", "metric", name)
 
@@ -197,6 +225,18 @@ def wrap_optimizers(optimizer: Optimizers, cfg: Mapping[str, Any], precision: st
 TYPE_NAME = rule("a non-empty string (a registered name or a dotted import path)",
                  lambda v: isinstance(v, str) and v.strip() != "")
 MODEL = expects("a mapping with a 'type'", section({"type": (REQUIRED, TYPE_NAME)}, open_=True))
+COLLATE_EXPECTED = ("a function's registered name or import path, or a mapping with its "
+                    "'type' and options")
+
+
+def check_collate(key: str, value: Any) -> str | dict[str, Any]:
+    """A ``collate_fn`` value's shape (`collate_function` imports and binds it)."""
+    if isinstance(value, Mapping):
+        return fields(key, value, {"type": (REQUIRED, TYPE_NAME)}, open_=True)
+    return TYPE_NAME(key, value)
+
+
+COLLATE = expects(COLLATE_EXPECTED, check_collate)
 
 
 def loader_table(split: str) -> Fields:
@@ -208,6 +248,8 @@ def loader_table(split: str) -> Fields:
         "drop_last": (False, BOOL),
         "pin_memory": (False, BOOL),
         "persistent_workers": (False, BOOL),
+        # absent unless given: the configs of runs made before it say the same when resumed
+        "collate_fn": (OPTIONAL, nullable(COLLATE)),
     }
     if split != "train":
         table["metrics"] = (None, nullable(names(TEXT)))
@@ -224,7 +266,7 @@ def check_loader(key: str, value: Any, split: str, warnings: list[str]) -> dict[
         raise bad_value(f"{key}.persistent_workers", True, f"false when {key}.num_workers is 0")
     for name in out:
         if name not in loader_table(split):
-            hint = difflib.get_close_matches(str(name), LOADER_KEYS, n=1, cutoff=0.8)
+            hint = difflib.get_close_matches(str(name), LOADER_OPTIONS, n=1, cutoff=0.8)
             if hint:
                 warnings.append(f"{join(key, name)} is passed to the data set; "
                                 f"did you mean '{join(key, hint[0])}'?")

@@ -24,7 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 from trainrun.dist import launch
 from trainrun.dist.text import first_line, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
-from trainrun.runner.builder import LOADER_KEYS, MODEL, check_data
+from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
+from trainrun.runner.builder import LOADER_OPTIONS, MODEL, check_data
 from trainrun.runner.hooks.checkpoint import check_checkpoint
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.loops import check_schedule
@@ -314,4 +315,4 @@ def strategy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def dataset_kwargs(section: Mapping[str, Any]) -> dict[str, Any]:
     """A data section without type, loader options and metrics: the data set's arguments."""
     return {k: v for k, v in _to_plain(section).items()
-            if k not in ("type", "metrics", *LOADER_KEYS)}
+            if k not in ("type", "metrics", *LOADER_OPTIONS)}

@@ -1,0 +1,70 @@
+"""The data options of issue 13 through the command line, as a user runs them: a collate
+function named in the config, several validation sets and iterable data sets, under torchrun
+where ranks matter. Bad values of these keys are among tests/tools/test_bad_input.py's cases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from torch.utils.data import default_collate
+
+from tests.tools.models import VariableLengthSequences
+from tests.tools.test_train_cli import TRAIN, env, run, torchrun, train_records, val_records
+
+MODELS = "tests.tools.models"
+
+
+def sequences(seed: int, size: int, **options) -> dict:
+    return {"type": f"{MODELS}.VariableLengthSequences", "size": size, "seed": seed,
+            "batch_size": 8, **options}
+
+
+def write_config(path: Path, **changes) -> Path:
+    """A small config over variable-length sequences, padded by ``pad_sequences``."""
+    pad = {"type": "pad_sequences", "pad_value": -1}
+    cfg = {
+        "name": "sequences",
+        "model": {"type": f"{MODELS}.MaskedMeanClassifier", "pad_value": -1},
+        "data": {"train": sequences(0, 64, collate_fn=pad),
+                 "val": sequences(1, 30, collate_fn=pad, metrics=["accuracy"])},
+        "optim": {"type": "AdamW", "lr": 0.01},
+        "schedule": {"max_iters": 8, "val_interval": 4},
+        "logging": {"interval": 2},
+        "checkpoint": {"interval": 4},
+        **changes,
+    }
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def test_the_toy_sequences_need_padding():
+    """Torch's own collate cannot batch them: the runs below train only through the
+    config's collate_fn."""
+    data = VariableLengthSequences(size=8)
+    assert len({len(item["tokens"]) for item in data}) > 1
+    with pytest.raises(RuntimeError):
+        default_collate([data[i] for i in range(8)])
+
+
+def test_a_padding_collate_trains_variable_length_sequences_on_two_ranks(tmp_path):
+    config = write_config(tmp_path / "sequences.yaml")
+    work_dir = tmp_path / "run"
+    done = run(torchrun(str(config), "--launcher", "pytorch", "--work-dir", str(work_dir)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in train_records(work_dir)] == [2, 4, 6, 8]
+    assert [r["step"] for r in val_records(work_dir)] == [4, 8]
+    assert all(0 <= r["accuracy"] <= 1 for r in val_records(work_dir))
+
+
+def test_the_plan_names_the_collate_function(tmp_path):
+    config = write_config(tmp_path / "sequences.yaml")
+    done = subprocess.run([sys.executable, str(TRAIN), str(config), "--dry-run",
+                           "--work-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=60, env=env())
+    assert done.returncode == 0, done.stderr
+    assert "collate_fn pad_sequences (pad_value=-1)" in done.stdout, done.stdout
+    assert not (tmp_path / "run").exists()
