@@ -71,6 +71,8 @@ def _make_inputs(root: Path) -> dict[str, Path]:
     return files
 
 
+VAL = "{{type: digits, split: val}}"  # a validation set's section (braces doubled: see below)
+
 # (the command line after tools/train.py, with {placeholders} for the files above; the words
 # the one error line must contain). The config is the shipped digits_ddp.yaml unless the case
 # names another; --work-dir {work_dir} and --launcher none are added unless the case sets them.
@@ -135,6 +137,21 @@ CASES = [
      ["data.train.collate_fn", "pad_sequences", "'pad'"]),
     (["--cfg-options", "data.train.collate_fn=no_such_pkg.collate"],
      ["data.train.collate_fn", "no_such_pkg"]),
+    # data options (issue 13): several validation sets (data.val=null first: a mapping
+    # merged onto the file's one section would extend it; braces doubled for str.format)
+    (["--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: {{type: "
+      "digits, split: val, batch_size: 0}}}}"], ["data.val.noisy.batch_size", "0"]),
+    (["--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: " + VAL + "}}",
+      "checkpoint.save_best=val/clen/accuracy"],
+     ["checkpoint.save_best", "did you mean 'val/clean/accuracy'"]),
+    (["--dry-run", "--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: "
+      + VAL + "}}", "checkpoint.save_best=accuracy"],
+     ["checkpoint.save_best", "val/<name>/<metric>"]),
+    (["--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: {{type: "
+      "digits, split: val, metrics: [acuracy]}}}}"],
+     ["data.val.noisy.metrics", "did you mean 'accuracy'"]),
+    (["--cfg-options", "data.val=null", "data.val={{'a/b': " + VAL + "}}"],
+     ["data.val.a/b", "'/'"]),
     # missing or corrupt checkpoints and paths
     (["--resume", "{root}/missing.pth"], ["resume", "missing.pth"]),
     (["--resume", "{garbage}"], ["resume", "garbage.pth", "not a readable checkpoint"]),

@@ -68,3 +68,37 @@ def test_the_plan_names_the_collate_function(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "collate_fn pad_sequences (pad_value=-1)" in done.stdout, done.stdout
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- several validation sets
+
+def two_val_sets(**first) -> dict:
+    pad = {"type": "pad_sequences", "pad_value": -1}
+    return {"train": sequences(0, 64, collate_fn=pad),
+            "val": {"short": sequences(1, 30, collate_fn=pad, metrics=["accuracy"], **first),
+                    "long": sequences(2, 20, collate_fn=pad, max_length=30)}}
+
+
+def test_several_validation_sets_are_logged_by_name_and_one_keeps_the_best(tmp_path):
+    config = write_config(tmp_path / "sets.yaml", data=two_val_sets(),
+                          checkpoint={"interval": 0, "save_best": "val/long/accuracy"})
+    work_dir = tmp_path / "run"
+    done = run(torchrun(str(config), "--launcher", "pytorch", "--work-dir", str(work_dir)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = val_records(work_dir)
+    assert [r["step"] for r in records] == [4, 8]
+    assert all(set(r) == {"step", "mode", "val/short/accuracy", "val/long/accuracy"}
+               for r in records)
+    assert "val/short/accuracy" in done.stderr and "val/long/accuracy" in done.stderr
+    best = list((work_dir / "checkpoints").glob("best_val_long_accuracy_iter_*.pth"))
+    assert len(best) == 1, sorted(p.name for p in (work_dir / "checkpoints").iterdir())
+
+
+def test_the_plan_lists_each_validation_set(tmp_path):
+    config = write_config(tmp_path / "sets.yaml", data=two_val_sets())
+    done = subprocess.run([sys.executable, str(TRAIN), str(config), "--dry-run"],
+                          capture_output=True, text=True, timeout=60, env=env())
+    assert done.returncode == 0, done.stderr
+    assert "every 4 iterations on 2 sets, logged as val/<name>/<metric>:" in done.stdout
+    assert "val/short  tests.tools.models.VariableLengthSequences" in done.stdout, done.stdout
+    assert "metrics: accuracy)" in done.stdout and "metrics: the data set's default)" in done.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -156,13 +157,25 @@ def check_types(cfg: Mapping[str, Any]) -> None:
     """Import every class the config names (model, data sets, metrics) without building any,
     so that a misspelt or missing one is a ConfigError naming its key before anything runs."""
     _resolved("model.type", "model", cfg["model"]["type"])
-    for split, loader in (cfg.get("data") or {}).items():
+    for key, loader in data_sections(cfg.get("data") or {}):
+        _resolved(f"{key}.type", "dataset", loader["type"])
+        collate_function(f"{key}.collate_fn", loader.get("collate_fn"))
+        for name in loader.get("metrics") or []:
+            _resolved(f"{key}.metrics", "metric", name)
+
+
+def data_sections(data: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """Each data section of a checked ``data`` config with its dotted key (several
+    validation sets each as ``data.val.<name>``)."""
+    found = []
+    for split, loader in data.items():
         if not loader:
             continue
-        _resolved(f"data.{split}.type", "dataset", loader["type"])
-        collate_function(f"data.{split}.collate_fn", loader.get("collate_fn"))
-        for name in loader.get("metrics") or []:
-            _resolved(f"data.{split}.metrics", "metric", name)
+        if split == "val" and "type" not in loader:
+            found += [(f"data.val.{name}", section) for name, section in loader.items()]
+        else:
+            found.append((f"data.{split}", loader))
+    return found
 
 
 def check_batches(key: str, dataset_length: int, world_size: int, batch_size: int,
@@ -273,10 +286,41 @@ def check_loader(key: str, value: Any, split: str, warnings: list[str]) -> dict[
     return out
 
 
+SET_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # no '/': it separates val/<name>/<metric>
+
+
+def named_sets(value: Any) -> bool:
+    """Whether a ``data.val`` value is a mapping of named sections (or loaders) rather than one
+    section: it has no ``type`` and no key of a section, and each of its values is a mapping
+    (or a DataLoader)."""
+    return (isinstance(value, Mapping) and bool(value) and "type" not in value
+            and not set(value) & set(loader_table("val"))
+            and all(isinstance(v, (Mapping, DataLoader)) for v in value.values()))
+
+
+def check_val(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
+    """``data.val``: one data section, or a mapping of named sections (several validation
+    sets, each with its own metrics, logged as ``val/<name>/<metric>``)."""
+    if not named_sets(value):
+        return check_loader(key, value, "val", warnings)
+    return {check_set_name(key, name): check_loader(join(key, name), section, "val", warnings)
+            for name, section in value.items()}
+
+
+def check_set_name(key: str, name: Any) -> str:
+    """A validation set's ``name`` under ``key``: it becomes part of the logged names."""
+    if not (isinstance(name, str) and SET_NAME.match(name)):
+        raise bad_value(join(key, name), name, "a validation set's name: letters, digits, "
+                        "'_', '-' or '.' (no '/', which separates val/<name>/<metric>)")
+    return name
+
+
 def check_data(key: str, value: Any, mode: str, warnings: list[str]) -> dict[str, Any]:
     def split(name: str) -> tuple[Any, Check]:
-        check = expects("a data section with a 'type'",
-                        partial(check_loader, split=name, warnings=warnings))
+        loader = partial(check_val, warnings=warnings) if name == "val" else \
+            partial(check_loader, split=name, warnings=warnings)
+        check = expects("a data section with a 'type'" + (", or a mapping of named data "
+                        "sections" if name == "val" else ""), loader)
         needed = (mode == "train" and name == "train") or (mode == "test" and name == "test")
         return (REQUIRED, check) if needed else (None, nullable(check))
 

@@ -26,7 +26,7 @@ from trainrun.dist.text import first_line, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
 from trainrun.runner.builder import LOADER_OPTIONS, MODEL, check_data
-from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.loops import check_schedule
 from trainrun.runner.optim import PRECISIONS, check_optim_section
@@ -117,6 +117,9 @@ def check(data: Any, mode: str = "train") -> tuple[dict[str, Any], list[str]]:
     out = fields("", data, top_level(mode, warnings))
     if out["work_dir"] is None:
         out["work_dir"] = f"work_dirs/{out['name']}"
+    val = out["data"]["val"]
+    check_best_metric("checkpoint.save_best", out["checkpoint"]["save_best"],
+                      list(val) if val and "type" not in val else None)
     if out["schedule"]["max_iters"] is not None:
         check_total_iters(out["scheduler"], out["schedule"]["max_iters"],
                           total_name="schedule.max_iters")

@@ -46,6 +46,8 @@ from trainrun.runner.builder import (
     build_model,
     check_batches,
     check_loader,
+    check_set_name,
+    named_sets,
     optimizer_factory,
     wrap_optimizers,
 )
@@ -75,7 +77,7 @@ from trainrun.runner.hooks import (
     PreemptionHook,
     ValidationHook,
 )
-from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
@@ -100,14 +102,14 @@ class Runner:
         model: nn.Module | Mapping[str, Any],
         work_dir: str | os.PathLike,
         train_dataloader: DataLoader | Mapping[str, Any] | None = None,
-        val_dataloader: DataLoader | Mapping[str, Any] | None = None,
+        val_dataloader: DataLoader | Mapping[str, Any] | None = None,  # or a dict of either
         test_dataloader: DataLoader | Mapping[str, Any] | None = None,
         optim: Mapping[str, Any] | Callable[[nn.Module], Any] | None = None,
         scheduler: Mapping[str, Any] | None = None,
         strategy: str | Mapping[str, Any] | Strategy = "ddp",
         precision: str = "fp32",
         schedule: Mapping[str, Any] | None = None,
-        val_metrics: Sequence[BaseMetric] | None = None,
+        val_metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]] | None = None,
         test_metrics: Sequence[BaseMetric] | None = None,
         hooks: Sequence[Hook] = (),
         randomness: Mapping[str, Any] | None = None,
@@ -144,11 +146,10 @@ class Runner:
             model = build_model(model) if isinstance(model, Mapping) else model
             shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
             self.train_dataloader = self._loader(train_dataloader, "train")
-            self.val_dataloader = self._loader(val_dataloader, "val")
+            self.val_dataloader = self._val_loaders(val_dataloader)
             self.test_dataloader = self._loader(test_dataloader, "test")
             self._check_batches(train_dataloader)
-            self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader,
-                                             "data.val")
+            self.val_metrics = self._val_metrics(val_metrics, val_dataloader)
             self.test_metrics = self._metrics(test_metrics, test_dataloader,
                                               self.test_dataloader, "data.test")
 
@@ -170,6 +171,9 @@ class Runner:
             self.schedulers = self._schedulers(scheduler)
 
             checkpoint = self._section(check_checkpoint, "checkpoint", checkpoint)
+            check_best_metric("checkpoint.save_best", checkpoint["save_best"],
+                              list(self.val_dataloader) if isinstance(self.val_dataloader, dict)
+                              else None)
             self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
                                                  max_keep=checkpoint["max_keep"])
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
@@ -275,12 +279,35 @@ class Runner:
         if slurm:
             self.logger.warning("SLURM started this job again: restart %d", slurm)
 
-    def _loader(self, loader: Any, split: str) -> DataLoader | None:
+    def _loader(self, loader: Any, split: str, key: str | None = None) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
             return loader
-        key = f"data.{split}"
+        key = key or f"data.{split}"
         section = self._section(partial(check_loader, split=split), key, loader)
         return build_dataloader(section, self.seed, split == "train", key=key)
+
+    def _val_loaders(self, loaders: Any) -> DataLoader | dict[str, DataLoader] | None:
+        """The validation loader, or for several validation sets (a mapping of names to
+        loaders or data sections) a dict of them."""
+        if not named_sets(loaders):
+            return self._loader(loaders, "val")
+        return {check_set_name("data.val", name): self._loader(loader, "val", f"data.val.{name}")
+                for name, loader in loaders.items()}
+
+    def _val_metrics(self, metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]]
+                     | None, sections: Any) -> list[BaseMetric] | dict[str, list[BaseMetric]]:
+        """The validation metrics; for several sets a dict of them by set: from ``metrics``
+        (a dict by set name, or one list every set is scored with in turn), else from each
+        set's section or data set."""
+        loaders = self.val_dataloader
+        if not isinstance(loaders, dict):
+            return self._metrics(metrics, sections, loaders, "data.val")
+        if isinstance(metrics, Mapping) and set(metrics) - set(loaders):
+            raise ValueError(f"val_metrics names sets {sorted(set(metrics) - set(loaders))} "
+                             f"that val_dataloader does not have ({', '.join(loaders)})")
+        return {name: self._metrics(metrics.get(name) if isinstance(metrics, Mapping)
+                                    else metrics, sections[name], loader, f"data.val.{name}")
+                for name, loader in loaders.items()}
 
     def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
                  loader: DataLoader | None, key: str) -> list[BaseMetric]:
@@ -411,7 +438,8 @@ class Runner:
         raise why from error
 
     def val(self) -> dict[str, float]:
-        """Validate on the val data; every rank gets the metrics."""
+        """Validate on the val data; every rank gets the metrics (with several validation
+        sets, each set's as ``val/<name>/<metric>``)."""
         if self.val_dataloader is None:
             raise ValueError("val() needs a validation data loader (data.val in the config)")
         return EvalLoop(self, self.val_dataloader, self.val_metrics, "val").run()

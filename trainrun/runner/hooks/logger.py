@@ -110,7 +110,8 @@ class LoggerHook(Hook):
             runner.metrics_file.write(record)
         if self._tensorboard is not None:
             for key, value in metrics.items():
-                self._tensorboard.add_scalar(f"val/{key}", value, runner.iter)
+                name = key if key.startswith("val/") else f"val/{key}"  # several sets: named
+                self._tensorboard.add_scalar(name, value, runner.iter)
         text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self._log(f"validation at step {runner.iter}: {text}")
 
