@@ -12,7 +12,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from trainrun.examples.digits import DigitsDataset, DigitsMLP
 from trainrun.wrappers.base_model import BaseModel
@@ -122,3 +122,46 @@ class MaskedMeanClassifier(BaseModel):
         if mode == "loss":
             return {"loss": F.cross_entropy(logits, batch["labels"])}
         return logits.argmax(-1)
+
+
+class DigitsStream(IterableDataset):
+    """The digits (``DigitsDataset(**kwargs)``) as a stream: their items in an order fixed by
+    ``seed``, again and again without end (or ``passes`` times). No state: a resumed run
+    reads it again from its start."""
+
+    def __init__(self, seed: int = 0, passes: int | None = None, **kwargs):
+        self.data = DigitsDataset(**kwargs)
+        self.order = torch.randperm(len(self.data),
+                                    generator=torch.Generator().manual_seed(seed)).tolist()
+        self.passes = passes
+        self.position = 0  # items the current pass has read
+        self.resume_at = 0
+
+    def __iter__(self):
+        self.position, self.resume_at = self.resume_at, 0
+        end = None if self.passes is None else self.passes * len(self.order)
+        while end is None or self.position < end:
+            index = self.order[self.position % len(self.order)]
+            self.position += 1
+            yield self.data[index]
+
+
+class StatefulDigitsStream(DigitsStream):
+    """`DigitsStream` that saves its place: ``state_dict()`` is the position it has read to,
+    where the next pass starts after ``load_state_dict``."""
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resume_at = state["position"]
+
+
+class SizedDigitsStream(StatefulDigitsStream):
+    """`StatefulDigitsStream` read ``passes`` times, with a length."""
+
+    def __init__(self, passes: int = 1, **kwargs):
+        super().__init__(passes=passes, **kwargs)
+
+    def __len__(self) -> int:
+        return self.passes * len(self.order)

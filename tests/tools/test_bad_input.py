@@ -152,6 +152,15 @@ CASES = [
      ["data.val.noisy.metrics", "did you mean 'accuracy'"]),
     (["--cfg-options", "data.val=null", "data.val={{'a/b': " + VAL + "}}"],
      ["data.val.a/b", "'/'"]),
+    # data options (issue 13): iterable data sets where a stream cannot serve
+    (["--cfg-options", "data.train.type=tests.tools.models.StatefulDigitsStream"],
+     ["schedule.max_epochs", "without a length", "schedule.max_iters"]),
+    (["--dry-run", "--cfg-options", "data.train.type=tests.tools.models.DigitsStream"],
+     ["schedule.max_epochs", "without a length"]),
+    (["--cfg-options", "data.val.type=tests.tools.models.StatefulDigitsStream"],
+     ["data.val.type", "IterableDataset", "data.train only"]),
+    (["--dry-run", "--cfg-options", "data.test.type=tests.tools.models.DigitsStream"],
+     ["data.test.type", "IterableDataset"]),
     # missing or corrupt checkpoints and paths
     (["--resume", "{root}/missing.pth"], ["resume", "missing.pth"]),
     (["--resume", "{garbage}"], ["resume", "garbage.pth", "not a readable checkpoint"]),

@@ -13,6 +13,7 @@ import yaml
 from torch.utils.data import default_collate
 
 from tests.tools.models import VariableLengthSequences
+from tests.tools.test_train_cli import CONFIG as DIGITS
 from tests.tools.test_train_cli import TRAIN, env, run, torchrun, train_records, val_records
 
 MODELS = "tests.tools.models"
@@ -50,6 +51,7 @@ def test_the_toy_sequences_need_padding():
         default_collate([data[i] for i in range(8)])
 
 
+@pytest.mark.slow
 def test_a_padding_collate_trains_variable_length_sequences_on_two_ranks(tmp_path):
     config = write_config(tmp_path / "sequences.yaml")
     work_dir = tmp_path / "run"
@@ -79,6 +81,7 @@ def two_val_sets(**first) -> dict:
                     "long": sequences(2, 20, collate_fn=pad, max_length=30)}}
 
 
+@pytest.mark.slow
 def test_several_validation_sets_are_logged_by_name_and_one_keeps_the_best(tmp_path):
     config = write_config(tmp_path / "sets.yaml", data=two_val_sets(),
                           checkpoint={"interval": 0, "save_best": "val/long/accuracy"})
@@ -102,3 +105,40 @@ def test_the_plan_lists_each_validation_set(tmp_path):
     assert "every 4 iterations on 2 sets, logged as val/<name>/<metric>:" in done.stdout
     assert "val/short  tests.tools.models.VariableLengthSequences" in done.stdout, done.stdout
     assert "metrics: accuracy)" in done.stdout and "metrics: the data set's default)" in done.stdout
+
+
+# ---------------------------------------------------------------- iterable data sets
+
+STREAM = "data.train.type=tests.tools.models.StatefulDigitsStream"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_with_state_resumes_exactly_after_sigkill_on_two_ranks(tmp_path, workers):
+    """verify-resume on the digits config with data.train a stream that saves its place:
+    the run killed after its step-4 checkpoint, resumed, logs the straight run's losses.
+    (A stream that restarted would feed the resumed run other batches.)"""
+    done = run([sys.executable, "-m", "trainrun", "verify-resume", str(DIGITS), "--nproc", "2",
+                "--steps", "8", "--work-dir", str(tmp_path), "--cfg-options", STREAM,
+                "data.train.shuffle=false", f"data.train.num_workers={workers}"], timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "interrupted: killed with SIGKILL after step 4" in done.stdout, done.stdout
+    assert "/iter_4.pth at epoch 1, step 4" in (tmp_path / "resumed.log").read_text()
+    assert "exact resume: the losses of steps 1-8 match bit for bit" in \
+        done.stdout.splitlines(), done.stdout
+
+
+@pytest.mark.slow
+def test_a_stream_without_state_is_warned_about_once_at_start(tmp_path):
+    work_dir = tmp_path / "run"
+    done = run(torchrun(str(DIGITS), "--launcher", "pytorch", "--work-dir", str(work_dir),
+                        "--cfg-options", "data.train.type=tests.tools.models.DigitsStream",
+                        "schedule.max_iters=4", "logging.interval=2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "WARNING data.train" in line]
+    assert len(said) == 2, done.stderr[-3000:]  # on rank 0 only
+    assert "data.train.shuffle is ignored: tests.tools.models.DigitsStream is an " \
+           "IterableDataset" in said[0]
+    assert "data.train: tests.tools.models.DigitsStream has no state_dict()/load_state_dict(): " \
+           "a resumed run reads the stream again" in said[1]
+    assert [r["step"] for r in train_records(work_dir)] == [2, 4]

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
+from trainrun.dist import get_dist_info
 from trainrun.dist.text import first_line
 from trainrun.examples import resolve
 from trainrun.runner.evaluation import BaseMetric
@@ -94,6 +95,8 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
     options.pop("metrics", None)
     dataset = construct(key, "dataset", name, options)
+    if isinstance(dataset, IterableDataset):
+        return _stream_loader(dataset, key, name, train, loader)
     shuffle = loader.pop("shuffle", train)
     num_workers = loader.get("num_workers", 0)
     seeded = train and num_workers > 0
@@ -112,6 +115,22 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
         worker_init_fn=seed_worker,
         generator=torch.Generator(),
     )
+
+
+def _stream_loader(dataset: IterableDataset, key: str, name: str, train: bool,
+                   loader: dict[str, Any]) -> DataLoader:
+    """A loader over this rank's share of a stream (see `trainrun.runner.stream`); only for
+    training, where a stream is read once through in step on every rank."""
+    from trainrun.runner.stream import build_stream_loader
+
+    if not train:
+        raise ConfigError(f"{key}.type: {name} is an IterableDataset; {STREAM_ONLY_TRAIN}")
+    rank, world_size = get_dist_info()
+    return build_stream_loader(
+        dataset, key, rank, world_size, loader.get("batch_size", DEFAULT_BATCH_SIZE),
+        loader.get("drop_last", False), loader,
+        collate_fn=collate_function(f"{key}.collate_fn", loader.get("collate_fn")),
+        worker_init_fn=seed_worker, generator=torch.Generator())
 
 
 def _resolved(key: str, kind: str, name: str) -> Any:
@@ -158,10 +177,39 @@ def check_types(cfg: Mapping[str, Any]) -> None:
     so that a misspelt or missing one is a ConfigError naming its key before anything runs."""
     _resolved("model.type", "model", cfg["model"]["type"])
     for key, loader in data_sections(cfg.get("data") or {}):
-        _resolved(f"{key}.type", "dataset", loader["type"])
+        dataset = _resolved(f"{key}.type", "dataset", loader["type"])
+        check_stream_class(key, dataset, cfg.get("schedule") or {})
         collate_function(f"{key}.collate_fn", loader.get("collate_fn"))
         for name in loader.get("metrics") or []:
             _resolved(f"{key}.metrics", "metric", name)
+
+
+STREAM_ONLY_TRAIN = ("streams are read for data.train only: validation and test score every "
+                     "sample once, which needs a map-style data set (__len__ and "
+                     "__getitem__)")
+
+
+def check_stream_class(key: str, dataset: Any, schedule: Mapping[str, Any]) -> None:
+    """An IterableDataset class where a stream cannot serve: under data.val or data.test, or
+    for data.train without a length under an epoch-based schedule; a ConfigError naming the
+    key. (A class is looked at; `stream_schedule` sees the built data set.)"""
+    if not (isinstance(dataset, type) and issubclass(dataset, IterableDataset)):
+        return
+    if key != "data.train":
+        raise ConfigError(f"{key}.type: {dataset.__name__} is an IterableDataset; "
+                          f"{STREAM_ONLY_TRAIN}")
+    if not hasattr(dataset, "__len__"):
+        unsized_epochs(dataset.__name__, schedule.get("max_iters"))
+
+
+def unsized_epochs(name: str, max_iters: int | None) -> None:
+    """An epoch-based schedule over a stream without a length is a ConfigError naming
+    schedule.max_epochs: an epoch's end is unknown until the stream runs out."""
+    if max_iters is None:
+        raise ConfigError(f"schedule.max_epochs: data.train ({name}) is a stream without a "
+                          f"length (an IterableDataset without __len__), so the number of "
+                          f"steps of an epoch-based schedule is unknown; set "
+                          f"schedule.max_iters instead")
 
 
 def data_sections(data: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:

@@ -17,6 +17,7 @@ from trainrun.dist import at_step, phase, set_phase
 from trainrun.dist.device import autocast_dtype
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.schema import ConfigError, fields, integer, nullable
+from trainrun.runner.stream import is_stream
 
 MAX_EPOCHS = 10  # a run's length when the config gives none
 
@@ -93,7 +94,9 @@ class TrainLoop:
                 scheduler.step()
             runner.call_hook("after_train_iter", batch_idx, batch, outputs)
             if not runner.by_epoch and runner.iter >= runner.max_iters:
-                finished = batch_idx + 1 == len(loader)
+                # a stream's loader counts a whole pass, not what is left of it: its pass
+                # ends when a later run's loop finds nothing more in it
+                finished = not is_stream(loader) and batch_idx + 1 == len(loader)
                 break
             at_step(runner.iter + 1)
             set_phase("data loading")

@@ -49,6 +49,7 @@ from trainrun.runner.builder import (
     check_set_name,
     named_sets,
     optimizer_factory,
+    unsized_epochs,
     wrap_optimizers,
 )
 from trainrun.runner.checkpoint import (
@@ -87,6 +88,7 @@ from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
+from trainrun.runner.stream import is_sized, is_stream, stream_warnings
 from trainrun.wrappers import Strategy, build_strategy
 
 
@@ -190,8 +192,9 @@ class Runner:
             self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
             self.training = False
             self.failed_at_step: int | None = None  # the step training was in when it raised
-            self.train_loop = TrainLoop(self, self.train_dataloader) \
-                if self.train_dataloader else None
+            loader = self.train_dataloader  # a stream may have no length to test
+            self.train_loop = TrainLoop(self, loader) \
+                if is_stream(loader) or loader else None
         except BaseException as error:
             self._leave_group(error)
             raise
@@ -284,7 +287,11 @@ class Runner:
             return loader
         key = key or f"data.{split}"
         section = self._section(partial(check_loader, split=split), key, loader)
-        return build_dataloader(section, self.seed, split == "train", key=key)
+        built = build_dataloader(section, self.seed, split == "train", key=key)
+        if is_stream(built) and self.rank == 0:
+            for warning in stream_warnings(key, section, built.dataset.dataset):
+                self.logger.warning(warning)
+        return built
 
     def _val_loaders(self, loaders: Any) -> DataLoader | dict[str, DataLoader] | None:
         """The validation loader, or for several validation sets (a mapping of names to
@@ -322,6 +329,13 @@ class Runner:
         """A training set the config describes that leaves no batch is refused (every rank
         finds the same) before the run directory is written."""
         loader = self.train_dataloader
+        if is_stream(loader):
+            if is_sized(loader) and len(loader) == 0:
+                raise ConfigError(f"data.train: the stream's {len(loader.dataset.dataset)} "
+                                  f"items leave no batch of {loader.batch_size} for each of "
+                                  f"{self.world_size} process(es) x "
+                                  f"{loader.dataset.workers} worker(s)")
+            return
         if isinstance(section, Mapping) and loader is not None and len(loader) == 0:
             check_batches("data.train", len(loader.dataset), self.world_size,
                           loader.batch_size, loader.drop_last)
@@ -348,7 +362,12 @@ class Runner:
 
     def _set_schedule(self, schedule: Mapping[str, Any]) -> None:
         self.by_epoch = schedule["max_iters"] is None
-        steps_per_epoch = len(self.train_dataloader) if self.train_dataloader else 0
+        loader = self.train_dataloader
+        if loader is not None and not is_sized(loader):  # a stream without a length
+            if self.by_epoch:
+                unsized_epochs(type(loader.dataset.dataset).__name__, None)
+            loader = None
+        steps_per_epoch = len(loader) if loader else 0
         if self.by_epoch:
             self.max_epochs = schedule["max_epochs"]
             self.max_iters = self.max_epochs * steps_per_epoch
@@ -471,8 +490,9 @@ class Runner:
         accumulated gradients between steps); this gathers them, so every rank must call it."""
         rngs = gather_object(rng_state(), dst=0)
         wrapper_states = gather_object(self.optim_wrapper.state_dict(), dst=0)
-        sampler = self.train_dataloader.sampler
-        return {
+        loader = self.train_dataloader
+        sampler = loader.sampler
+        state = {
             "meta": {"epoch": self.epoch, "iter": self.iter, "seed": self.seed,
                      "world_size": self.world_size, "strategy": self.strategy.name},
             "sampler": sampler.state_dict() if isinstance(sampler, ResumableSampler) else None,
@@ -482,6 +502,9 @@ class Runner:
             "hooks": {key: hook.state_dict() for key, hook in self._keyed_hooks()
                       if hasattr(hook, "state_dict")},
         }
+        if is_stream(loader):  # its place: every rank's (each reads its own share)
+            state["stream"] = gather_object(loader.state_dict(), dst=0)
+        return state
 
     def _keyed_hooks(self) -> list[tuple[str, Hook]]:
         """Each hook with the key of its state in a checkpoint: its class's name, and for a
@@ -597,6 +620,7 @@ class Runner:
             # the epoch being trained goes on from the cursor, even one at the epoch's end (a
             # checkpoint after its last step): that epoch is then finished, not started again
             self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
+        self._resume_stream(state.get("stream"))
         for key, hook in self._keyed_hooks():
             if hasattr(hook, "load_state_dict") and key in state["hooks"]:
                 hook.load_state_dict(state["hooks"][key])
@@ -609,6 +633,20 @@ class Runner:
                                 len(rngs), self.world_size)
         at_checkpoint(Path(path).name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
+
+    def _resume_stream(self, streams: list[Any] | None) -> None:
+        """Put a stream back where this rank's share of it stopped. Saved by another number of
+        ranks, the shares differ: the stream starts again, said in a warning."""
+        loader = self.train_dataloader
+        if not is_stream(loader) or streams is None:
+            return
+        if len(streams) == self.world_size:
+            loader.load_state_dict(streams[self.rank])
+        elif self.rank == 0:
+            self.logger.warning("data.train: the checkpoint was written by %d ranks, this job "
+                                "has %d: each rank's share of the stream differs, so the "
+                                "stream starts again from its beginning", len(streams),
+                                self.world_size)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path`` (a
