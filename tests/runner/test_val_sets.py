@@ -69,3 +69,28 @@ def test_save_best_must_name_a_set_and_metrics_a_known_set(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.val.a/b: got 'a/b'"):
         _runner(tmp_path / "d", {"a/b": _section(1, 8)})
     assert not any(tmp_path.iterdir())
+
+
+class _Scalars:
+    """A stand-in for TensorBoard's SummaryWriter (not installed here): the tags it got."""
+
+    def __init__(self):
+        self.tags: list[str] = []
+
+    def add_scalar(self, tag, value, step):
+        self.tags.append(tag)
+
+
+@pytest.mark.parametrize(("loaders", "metrics", "tags"), [
+    (object(), {"mse": 1.0}, ["val/mse"]),
+    ({"a": object(), "b": object()}, {"val/a/mse": 1.0, "val/b/mse": 2.0},
+     ["val/a/mse", "val/b/mse"])])
+def test_tensorboard_tags_of_one_set_and_of_several(loaders, metrics, tags):
+    from types import SimpleNamespace
+
+    from trainrun.runner.hooks.logger import LoggerHook
+
+    hook = LoggerHook(backends=["tensorboard"], progress_bar=False)
+    hook._tensorboard = _Scalars()
+    hook.after_val(SimpleNamespace(val_dataloader=loaders, iter=3), metrics)
+    assert hook._tensorboard.tags == tags
