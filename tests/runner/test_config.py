@@ -516,6 +516,23 @@ def test_a_data_section_splits_into_data_set_and_loader_options(tmp_path):
     assert "batch_size" in LOADER_KEYS and "type" not in LOADER_KEYS
 
 
+def test_data_val_may_be_a_mapping_of_named_sets(tmp_path):
+    text = MINIMAL + ("  val:\n    clean: {type: digits, split: val}\n"
+                      "    noisy: {type: digits, split: val, batch_size: 8, metrics: [mean]}\n"
+                      "checkpoint: {save_best: val/noisy/loss}\n")
+    cfg = load(tmp_path, text)
+    assert list(cfg.data.val) == ["clean", "noisy"]
+    assert cfg.data.val.clean.batch_size == 32 and cfg.data.val.clean.shuffle is False
+    assert list(cfg.data.val.noisy.metrics) == ["mean"]
+    assert cfg.checkpoint.best_rule == "less"
+    assert error(tmp_path, text.replace("val/noisy/loss", "val/nosy/loss")).startswith(
+        "checkpoint.save_best: got 'val/nosy/loss', expected val/<name>/<metric>")
+    # a section missing its type stays one section (its keys are a section's)
+    assert error(tmp_path, MINIMAL + "  val: {split: val, batch_size: 4}\n") == (
+        "data.val.type: missing, expected a non-empty string (a registered name or a dotted "
+        "import path)")
+
+
 def test_a_data_set_kwarg_that_looks_like_a_loader_option_is_a_warning(tmp_path):
     warnings: list[str] = []
     cfg = load(tmp_path, overrides=["data.train.batchsize=8"], on_warning=warnings.append)

@@ -11,9 +11,13 @@ import time
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
 
 from trainrun.examples.digits import DigitsDataset, DigitsMLP
 from trainrun.runner.hooks import Hook
+from trainrun.wrappers.base_model import BaseModel
 
 
 class SlowDigitsMLP(DigitsMLP):
@@ -103,3 +107,91 @@ class CountingHook(Hook):
 
     def load_state_dict(self, state):
         self.count = state["count"]
+
+
+class VariableLengthSequences(Dataset):
+    """``size`` sequences of 1 to ``max_length`` token ids in [1, vocab) (drawn from ``seed``),
+    each labelled 1 when its first token is above the vocabulary's middle: items
+    ``{'tokens': int64[length], 'labels': int64}``, which torch's default collate cannot
+    stack."""
+
+    DEFAULT_METRICS = ["accuracy"]
+
+    def __init__(self, size: int = 64, max_length: int = 9, vocab: int = 16, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(1, max_length + 1, (size,), generator=generator).tolist()
+        self.items = []
+        for length in lengths:
+            tokens = torch.randint(1, vocab, (length,), generator=generator)
+            self.items.append({"tokens": tokens, "labels": (tokens[0] > vocab // 2).long()})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+class MaskedMeanClassifier(BaseModel):
+    """Embeds a padded batch of tokens, averages the embeddings over the real positions
+    (``tokens_mask``) and classifies. Refuses a batch whose padded positions do not hold
+    ``pad_value``: the collate's options must reach it."""
+
+    def __init__(self, vocab: int = 16, width: int = 16, pad_value: int = 0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab + 1, width)
+        self.head = nn.Linear(width, 2)
+        self.pad_value = pad_value
+
+    def forward(self, batch, mode="loss"):
+        tokens, mask = batch["tokens"], batch["tokens_mask"]
+        if not (tokens[~mask] == self.pad_value).all():
+            raise ValueError(f"padded positions do not hold pad_value={self.pad_value}")
+        embedded = self.embed(tokens.clamp(min=0)) * mask.unsqueeze(-1)
+        logits = self.head(embedded.sum(1) / mask.sum(1, keepdim=True))
+        if mode == "loss":
+            return {"loss": F.cross_entropy(logits, batch["labels"])}
+        return logits.argmax(-1)
+
+
+class DigitsStream(IterableDataset):
+    """The digits (``DigitsDataset(**kwargs)``) as a stream: their items in an order fixed by
+    ``seed``, again and again without end (or ``passes`` times). No state: a resumed run
+    reads it again from its start."""
+
+    def __init__(self, seed: int = 0, passes: int | None = None, **kwargs):
+        self.data = DigitsDataset(**kwargs)
+        self.order = torch.randperm(len(self.data),
+                                    generator=torch.Generator().manual_seed(seed)).tolist()
+        self.passes = passes
+        self.position = 0  # items the current pass has read
+        self.resume_at = 0
+
+    def __iter__(self):
+        self.position, self.resume_at = self.resume_at, 0
+        end = None if self.passes is None else self.passes * len(self.order)
+        while end is None or self.position < end:
+            index = self.order[self.position % len(self.order)]
+            self.position += 1
+            yield self.data[index]
+
+
+class StatefulDigitsStream(DigitsStream):
+    """`DigitsStream` that saves its place: ``state_dict()`` is the position it has read to,
+    where the next pass starts after ``load_state_dict``."""
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.resume_at = state["position"]
+
+
+class SizedDigitsStream(StatefulDigitsStream):
+    """`StatefulDigitsStream` read ``passes`` times, with a length."""
+
+    def __init__(self, passes: int = 1, **kwargs):
+        super().__init__(passes=passes, **kwargs)
+
+    def __len__(self) -> int:
+        return self.passes * len(self.order)

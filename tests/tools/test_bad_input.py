@@ -71,6 +71,8 @@ def _make_inputs(root: Path) -> dict[str, Path]:
     return files
 
 
+VAL = "{{type: digits, split: val}}"  # a validation set's section (braces doubled: see below)
+
 # (the command line after tools/train.py, with {placeholders} for the files above; the words
 # the one error line must contain). The config is the shipped digits_ddp.yaml unless the case
 # names another; --work-dir {work_dir} and --launcher none are added unless the case sets them.
@@ -164,6 +166,41 @@ CASES = [
       "wieght: 2}}]"], ["hooks[1].wieght", "did you mean 'hooks[1].weight'"]),
     (["--cfg-options", "hooks=[{{type: tests.tools.models.CountingHook, weight: 0}}]"],
      ["hooks[0].weight: got 0, expected an int >= 1"]),  # the constructor's ValueError
+    # data options (issue 13): collate_fn
+    (["--cfg-options", "data.train.collate_fn=pad_sequence"],
+     ["data.train.collate_fn", "did you mean 'pad_sequences'"]),
+    (["--dry-run", "--cfg-options", "data.train.collate_fn=pad_sequence"],
+     ["data.train.collate_fn", "did you mean 'pad_sequences'"]),
+    (["--cfg-options", "data.train.collate_fn=5"], ["data.train.collate_fn", "got 5"]),
+    (["--cfg-options", "data.val.collate_fn=os.sep"], ["data.val.collate_fn", "os.sep", "str"]),
+    (["--cfg-options", "data.train.collate_fn.type=pad_sequences", "data.train.collate_fn.pad=0"],
+     ["data.train.collate_fn", "pad_sequences", "'pad'"]),
+    (["--cfg-options", "data.train.collate_fn=no_such_pkg.collate"],
+     ["data.train.collate_fn", "no_such_pkg"]),
+    # data options (issue 13): several validation sets (data.val=null first: a mapping
+    # merged onto the file's one section would extend it; braces doubled for str.format)
+    (["--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: {{type: "
+      "digits, split: val, batch_size: 0}}}}"], ["data.val.noisy.batch_size", "0"]),
+    (["--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: " + VAL + "}}",
+      "checkpoint.save_best=val/clen/accuracy"],
+     ["checkpoint.save_best", "did you mean 'val/clean/accuracy'"]),
+    (["--dry-run", "--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: "
+      + VAL + "}}", "checkpoint.save_best=accuracy"],
+     ["checkpoint.save_best", "val/<name>/<metric>"]),
+    (["--cfg-options", "data.val=null", "data.val={{clean: " + VAL + ", noisy: {{type: "
+      "digits, split: val, metrics: [acuracy]}}}}"],
+     ["data.val.noisy.metrics", "did you mean 'accuracy'"]),
+    (["--cfg-options", "data.val=null", "data.val={{'a/b': " + VAL + "}}"],
+     ["data.val.a/b", "'/'"]),
+    # data options (issue 13): iterable data sets where a stream cannot serve
+    (["--cfg-options", "data.train.type=tests.tools.models.StatefulDigitsStream"],
+     ["schedule.max_epochs", "without a length", "schedule.max_iters"]),
+    (["--dry-run", "--cfg-options", "data.train.type=tests.tools.models.DigitsStream"],
+     ["schedule.max_epochs", "without a length"]),
+    (["--cfg-options", "data.val.type=tests.tools.models.StatefulDigitsStream"],
+     ["data.val.type", "IterableDataset", "data.train only"]),
+    (["--dry-run", "--cfg-options", "data.test.type=tests.tools.models.DigitsStream"],
+     ["data.test.type", "IterableDataset"]),
     # missing or corrupt checkpoints and paths
     (["--resume", "{root}/missing.pth"], ["resume", "missing.pth"]),
     (["--resume", "{garbage}"], ["resume", "garbage.pth", "not a readable checkpoint"]),

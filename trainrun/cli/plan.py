@@ -56,6 +56,16 @@ def _with_options(section: Mapping[str, Any]) -> str:
     return section["type"] + (f" ({options})" if options else "")
 
 
+def _data(section: Mapping[str, Any], length: str | None = None) -> str:
+    """A data section's type, its length where known, and its collate function if not the
+    default."""
+    text = section["type"] + (f", {length}" if length else "")
+    collate = section.get("collate_fn")
+    if collate:
+        text += ", collate_fn " + (collate if isinstance(collate, str) else _with_options(collate))
+    return text
+
+
 def _resume(resume: bool | str) -> str:
     if isinstance(resume, str):
         return resume
@@ -103,13 +113,21 @@ def _steps(cfg: Mapping[str, Any], world_size: int, dataset_length: int | None) 
             f"{total // accumulate} optimiser steps")
 
 
-def _validation(cfg: Mapping[str, Any]) -> str:
+def _val_set(val: Mapping[str, Any]) -> str:
+    metrics = ", ".join(val["metrics"]) if val["metrics"] else "the data set's default"
+    return f"{_data(val)} (batch {val['batch_size']} per rank; metrics: {metrics})"
+
+
+def _validation(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The validation row; with several sets, a row for each after it."""
     val = cfg["data"]["val"]
     if val is None:
-        return "none (data.val is null)"
-    metrics = ", ".join(val["metrics"]) if val["metrics"] else "the data set's default"
-    return (f"every {_unit(cfg['schedule'], cfg['schedule']['val_interval'])} on {val['type']} "
-            f"(batch {val['batch_size']} per rank; metrics: {metrics})")
+        return [("validation", "none (data.val is null)")]
+    every = f"every {_unit(cfg['schedule'], cfg['schedule']['val_interval'])}"
+    if "type" in val:
+        return [("validation", f"{every} on {_val_set(val)}")]
+    return [("validation", f"{every} on {len(val)} sets, logged as val/<name>/<metric>:"),
+            *((f"  val/{name}", _val_set(section)) for name, section in val.items())]
 
 
 def _optimiser(optim: Mapping[str, Any]) -> str:
@@ -177,12 +195,12 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("strategy", _with_options(cfg["strategy"])),
         ("devices", _devices(cfg["launcher"], world_size)),
         ("model", cfg["model"]["type"]),
-        ("train data", f"{train['type']}, {length}"),
+        ("train data", _data(train, length)),
         ("batch size", f"{batch} per rank; effective {batch} x {world_size} ranks x "
                        f"{optim['accumulate']} accumulated = {effective}"),
         ("iterations", _steps(cfg, world_size, dataset_length)),
         ("schedule", _unit(schedule, schedule["max_epochs"] or schedule["max_iters"])),
-        ("validation", _validation(cfg)),
+        *_validation(cfg),
         ("optimiser", _optimiser(optim)),
         *([("param groups", _groups(param_groups))] if param_groups is not None else []),
         ("scheduler", _with_options(cfg["scheduler"]) if cfg["scheduler"]

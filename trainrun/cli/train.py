@@ -306,6 +306,8 @@ def run(cfg: DictConfig, method: str) -> int:
 
 def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
     """The train set's length, built through ``trainrun.examples.resolve``, or None and why."""
+    from torch.utils.data import IterableDataset
+
     try:
         from trainrun.examples import resolve
     except ImportError:
@@ -313,6 +315,8 @@ def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
     train = cfg.data.train
     try:
         dataset = resolve("dataset", train.type)(**dataset_kwargs(train))
+        if isinstance(dataset, IterableDataset):  # dealt to ranks in rounds, not by a sampler
+            return None, f"data.train is a stream ({type(dataset).__name__}, an IterableDataset)"
         return len(dataset), None
     except Exception as error:  # a plan reports what it cannot know, it does not fail
         return None, (f"could not build data.train: {type(error).__name__}: "

@@ -43,17 +43,26 @@ HOOKS: dict[str, str] = {
     "Profiler": "trainrun.runner.hooks.profiler:ProfilerHook",
 }
 
+
+# functions a data section's ``collate_fn`` names (any other by its import path)
+COLLATES: dict[str, str] = {
+    "default": "torch.utils.data:default_collate",
+    "pad_sequences": "trainrun.runner.collate:pad_sequences",
+}
+
+
 REGISTRIES: dict[str, dict[str, Any]] = {"model": MODELS, "dataset": DATASETS, "metric": METRICS,
-                                         "hook": HOOKS}
+                                         "hook": HOOKS, "collate": COLLATES}
 
 
 def resolve(kind: str, name: str) -> Any:
     """The class (or, for a metric with default options, a `functools.partial` of it) that
     ``name`` stands for; call it with the config section's remaining options.
 
-    ``kind`` is ``'model'``, ``'dataset'``, ``'metric'`` or ``'hook'``. ``name`` is a short
-    name of that registry, or, when it contains a dot, an import path ``pkg.module.Class`` or
-    ``pkg.module:Class``. Raises ValueError naming the kind, the name and the choices.
+    ``kind`` is ``'model'``, ``'dataset'``, ``'metric'``, ``'hook'`` or ``'collate'``.
+    ``name`` is a short name of that registry, or, when it contains a dot, an import path
+    ``pkg.module.Class`` or ``pkg.module:Class``. Raises ValueError naming the kind, the name
+    and the choices.
     """
     if kind not in REGISTRIES:
         raise ValueError(f"unknown registry kind {kind!r}; the kinds are: "
@@ -119,4 +128,5 @@ def _registered(kind: str, registry: dict[str, Any]) -> str:
     return f"Registered {kind}s: {', '.join(sorted(registry))}"
 
 
-__all__ = ["DATASETS", "HOOKS", "METRICS", "MODELS", "REGISTRIES", "import_target", "resolve"]
+__all__ = ["COLLATES", "DATASETS", "HOOKS", "METRICS", "MODELS", "REGISTRIES", "import_target",
+           "resolve"]

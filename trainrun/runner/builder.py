@@ -5,14 +5,16 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
+from trainrun.dist import get_dist_info
 from trainrun.dist.text import first_line
 from trainrun.examples import resolve
 from trainrun.runner.evaluation import BaseMetric
@@ -36,6 +38,7 @@ from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
 from trainrun.runner.scheduler import check_floors
 from trainrun.runner.schema import (
     BOOL,
+    OPTIONAL,
     REQUIRED,
     TEXT,
     Check,
@@ -57,9 +60,11 @@ from trainrun.wrappers.base import Optimizers
 log = logging.getLogger("trainrun")
 
 DEFAULT_BATCH_SIZE = 32
-# DataLoader options of a data section; the rest (but `type` and `metrics`) goes to the data set
+# DataLoader options of a data section, each filled with its default; the rest (but `type`,
+# `metrics` and the LOADER_OPTIONS given only when set) goes to the data set
 LOADER_KEYS = ("batch_size", "num_workers", "shuffle", "drop_last", "pin_memory",
                "persistent_workers")
+LOADER_OPTIONS = (*LOADER_KEYS, "collate_fn")
 
 
 def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -105,9 +110,11 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     streams, which checkpoints save.
     """
     name, options = _split(cfg)
-    loader = {option: options.pop(option) for option in LOADER_KEYS if option in options}
+    loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
     options.pop("metrics", None)
     dataset = construct(key, "dataset", name, options)
+    if isinstance(dataset, IterableDataset):
+        return _stream_loader(dataset, key, name, train, loader)
     shuffle = loader.pop("shuffle", train)
     num_workers = loader.get("num_workers", 0)
     seeded = train and num_workers > 0
@@ -118,6 +125,7 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
         dataset,
         batch_size=loader.get("batch_size", DEFAULT_BATCH_SIZE),
         sampler=sampler,
+        collate_fn=collate_function(f"{key}.collate_fn", loader.get("collate_fn")),
         num_workers=num_workers,
         drop_last=loader.get("drop_last", False) and train,
         pin_memory=loader.get("pin_memory", False),
@@ -127,12 +135,51 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     )
 
 
+def _stream_loader(dataset: IterableDataset, key: str, name: str, train: bool,
+                   loader: dict[str, Any]) -> DataLoader:
+    """A loader over this rank's share of a stream (see `trainrun.runner.stream`); only for
+    training, where a stream is read once through in step on every rank."""
+    from trainrun.runner.stream import build_stream_loader
+
+    if not train:
+        raise ConfigError(f"{key}.type: {name} is an IterableDataset; {STREAM_ONLY_TRAIN}")
+    rank, world_size = get_dist_info()
+    return build_stream_loader(
+        dataset, key, rank, world_size, loader.get("batch_size", DEFAULT_BATCH_SIZE),
+        loader.get("drop_last", False), loader,
+        collate_fn=collate_function(f"{key}.collate_fn", loader.get("collate_fn")),
+        worker_init_fn=seed_worker, generator=torch.Generator())
+
+
 def _resolved(key: str, kind: str, name: str) -> Any:
     """``resolve(kind, name)``, its error a ConfigError naming ``key``."""
     try:
         return resolve(kind, name)
     except ValueError as error:
         raise ConfigError(f"{key}: {error}") from None
+
+
+def collate_function(key: str, value: str | Mapping[str, Any] | None) -> Any:
+    """The function a ``collate_fn`` value names (None: torch's default): a registered name
+    or an import path, or ``{type: ..., **options}`` with the options bound by
+    `functools.partial`. Imported and checked (callable, takes a batch and the options) here,
+    so a wrong one is a ConfigError naming ``key`` before anything runs."""
+    if value is None:
+        return None
+    name, options = (value, {}) if isinstance(value, str) else _split(value)
+    named = key if isinstance(value, str) else f"{key}.type"
+    target = _resolved(named, "collate", name)
+    if not callable(target):
+        raise ConfigError(f"{named}: {name} is a {type(target).__name__}, expected a function "
+                          f"that takes a batch (a list of samples)")
+    try:
+        inspect.signature(target).bind(None, **options)  # the batch, then the options
+    except TypeError as error:
+        raise ConfigError(f"{key}: {name} does not take a batch and these options "
+                          f"({', '.join(options) or 'none'}): {error}") from None
+    except ValueError:
+        pass  # no signature to check against (a builtin): the call itself will tell
+    return partial(target, **options) if options else target
 
 
 def build_metrics(cfg: Mapping[str, Any] | None, dataset: Any,
@@ -147,12 +194,54 @@ def check_types(cfg: Mapping[str, Any]) -> None:
     """Import every class the config names (model, data sets, metrics) without building any,
     so that a misspelt or missing one is a ConfigError naming its key before anything runs."""
     _resolved("model.type", "model", cfg["model"]["type"])
-    for split, loader in (cfg.get("data") or {}).items():
+    for key, loader in data_sections(cfg.get("data") or {}):
+        dataset = _resolved(f"{key}.type", "dataset", loader["type"])
+        check_stream_class(key, dataset, cfg.get("schedule") or {})
+        collate_function(f"{key}.collate_fn", loader.get("collate_fn"))
+        for name in loader.get("metrics") or []:
+            _resolved(f"{key}.metrics", "metric", name)
+
+
+STREAM_ONLY_TRAIN = ("streams are read for data.train only: validation and test score every "
+                     "sample once, which needs a map-style data set (__len__ and "
+                     "__getitem__)")
+
+
+def check_stream_class(key: str, dataset: Any, schedule: Mapping[str, Any]) -> None:
+    """An IterableDataset class where a stream cannot serve: under data.val or data.test, or
+    for data.train without a length under an epoch-based schedule; a ConfigError naming the
+    key. (A class is looked at; `stream_schedule` sees the built data set.)"""
+    if not (isinstance(dataset, type) and issubclass(dataset, IterableDataset)):
+        return
+    if key != "data.train":
+        raise ConfigError(f"{key}.type: {dataset.__name__} is an IterableDataset; "
+                          f"{STREAM_ONLY_TRAIN}")
+    if not hasattr(dataset, "__len__"):
+        unsized_epochs(dataset.__name__, schedule.get("max_iters"))
+
+
+def unsized_epochs(name: str, max_iters: int | None) -> None:
+    """An epoch-based schedule over a stream without a length is a ConfigError naming
+    schedule.max_epochs: an epoch's end is unknown until the stream runs out."""
+    if max_iters is None:
+        raise ConfigError(f"schedule.max_epochs: data.train ({name}) is a stream without a "
+                          f"length (an IterableDataset without __len__), so the number of "
+                          f"steps of an epoch-based schedule is unknown; set "
+                          f"schedule.max_iters instead")
+
+
+def data_sections(data: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """Each data section of a checked ``data`` config with its dotted key (several
+    validation sets each as ``data.val.<name>``)."""
+    found = []
+    for split, loader in data.items():
         if not loader:
             continue
-        _resolved(f"data.{split}.type", "dataset", loader["type"])
-        for name in loader.get("metrics") or []:
-            _resolved(f"data.{split}.metrics", "metric", name)
+        if split == "val" and "type" not in loader:
+            found += [(f"data.val.{name}", section) for name, section in loader.items()]
+        else:
+            found.append((f"data.{split}", loader))
+    return found
 
 
 def check_batches(key: str, dataset_length: int, world_size: int, batch_size: int,
@@ -310,6 +399,18 @@ def wrap_optimizers(optimizer: Optimizers, cfg: Mapping[str, Any], precision: st
 TYPE_NAME = rule("a non-empty string (a registered name or a dotted import path)",
                  lambda v: isinstance(v, str) and v.strip() != "")
 MODEL = expects("a mapping with a 'type'", section({"type": (REQUIRED, TYPE_NAME)}, open_=True))
+COLLATE_EXPECTED = ("a function's registered name or import path, or a mapping with its "
+                    "'type' and options")
+
+
+def check_collate(key: str, value: Any) -> str | dict[str, Any]:
+    """A ``collate_fn`` value's shape (`collate_function` imports and binds it)."""
+    if isinstance(value, Mapping):
+        return fields(key, value, {"type": (REQUIRED, TYPE_NAME)}, open_=True)
+    return TYPE_NAME(key, value)
+
+
+COLLATE = expects(COLLATE_EXPECTED, check_collate)
 
 
 def loader_table(split: str) -> Fields:
@@ -321,6 +422,8 @@ def loader_table(split: str) -> Fields:
         "drop_last": (False, BOOL),
         "pin_memory": (False, BOOL),
         "persistent_workers": (False, BOOL),
+        # absent unless given: the configs of runs made before it say the same when resumed
+        "collate_fn": (OPTIONAL, nullable(COLLATE)),
     }
     if split != "train":
         table["metrics"] = (None, nullable(names(TEXT)))
@@ -337,17 +440,48 @@ def check_loader(key: str, value: Any, split: str, warnings: list[str]) -> dict[
         raise bad_value(f"{key}.persistent_workers", True, f"false when {key}.num_workers is 0")
     for name in out:
         if name not in loader_table(split):
-            hint = difflib.get_close_matches(str(name), LOADER_KEYS, n=1, cutoff=0.8)
+            hint = difflib.get_close_matches(str(name), LOADER_OPTIONS, n=1, cutoff=0.8)
             if hint:
                 warnings.append(f"{join(key, name)} is passed to the data set; "
                                 f"did you mean '{join(key, hint[0])}'?")
     return out
 
 
+SET_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # no '/': it separates val/<name>/<metric>
+
+
+def named_sets(value: Any) -> bool:
+    """Whether a ``data.val`` value is a mapping of named sections (or loaders) rather than one
+    section: it has no ``type`` and no key of a section, and each of its values is a mapping
+    (or a DataLoader)."""
+    return (isinstance(value, Mapping) and bool(value) and "type" not in value
+            and not set(value) & set(loader_table("val"))
+            and all(isinstance(v, (Mapping, DataLoader)) for v in value.values()))
+
+
+def check_val(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
+    """``data.val``: one data section, or a mapping of named sections (several validation
+    sets, each with its own metrics, logged as ``val/<name>/<metric>``)."""
+    if not named_sets(value):
+        return check_loader(key, value, "val", warnings)
+    return {check_set_name(key, name): check_loader(join(key, name), section, "val", warnings)
+            for name, section in value.items()}
+
+
+def check_set_name(key: str, name: Any) -> str:
+    """A validation set's ``name`` under ``key``: it becomes part of the logged names."""
+    if not (isinstance(name, str) and SET_NAME.match(name)):
+        raise bad_value(join(key, name), name, "a validation set's name: letters, digits, "
+                        "'_', '-' or '.' (no '/', which separates val/<name>/<metric>)")
+    return name
+
+
 def check_data(key: str, value: Any, mode: str, warnings: list[str]) -> dict[str, Any]:
     def split(name: str) -> tuple[Any, Check]:
-        check = expects("a data section with a 'type'",
-                        partial(check_loader, split=name, warnings=warnings))
+        loader = partial(check_val, warnings=warnings) if name == "val" else \
+            partial(check_loader, split=name, warnings=warnings)
+        check = expects("a data section with a 'type'" + (", or a mapping of named data "
+                        "sections" if name == "val" else ""), loader)
         needed = (mode == "train" and name == "train") or (mode == "test" and name == "test")
         return (REQUIRED, check) if needed else (None, nullable(check))
 

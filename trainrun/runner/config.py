@@ -25,8 +25,9 @@ from omegaconf.errors import OmegaConfBaseException
 from trainrun.dist import launch
 from trainrun.dist.text import first_line, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
-from trainrun.runner.builder import LOADER_KEYS, MODEL, check_data
-from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
+from trainrun.runner.builder import LOADER_OPTIONS, MODEL, check_data
+from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
 from trainrun.runner.hooks.from_config import check_hooks
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.inherit import MARKERS, read_with_bases
@@ -120,6 +121,9 @@ def check(data: Any, mode: str = "train") -> tuple[dict[str, Any], list[str]]:
     out = fields("", data, top_level(mode, warnings))
     if out["work_dir"] is None:
         out["work_dir"] = f"work_dirs/{out['name']}"
+    val = out["data"]["val"]
+    check_best_metric("checkpoint.save_best", out["checkpoint"]["save_best"],
+                      list(val) if val and "type" not in val else None)
     if out["schedule"]["max_iters"] is not None:
         check_total_iters(out["scheduler"], out["schedule"]["max_iters"],
                           total_name="schedule.max_iters")
@@ -330,4 +334,4 @@ def strategy_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def dataset_kwargs(section: Mapping[str, Any]) -> dict[str, Any]:
     """A data section without type, loader options and metrics: the data set's arguments."""
     return {k: v for k, v in _to_plain(section).items()
-            if k not in ("type", "metrics", *LOADER_KEYS)}
+            if k not in ("type", "metrics", *LOADER_OPTIONS)}

@@ -6,6 +6,7 @@ walks the data epoch by epoch, so the sampler's epoch and cursor always say wher
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -16,6 +17,7 @@ from trainrun.dist import at_step, phase, set_phase
 from trainrun.dist.device import autocast_dtype
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.schema import ConfigError, fields, integer, nullable
+from trainrun.runner.stream import is_stream
 
 MAX_EPOCHS = 10  # a run's length when the config gives none
 
@@ -93,7 +95,9 @@ class TrainLoop:
             runner.call_hook("after_train_iter", batch_idx, batch, outputs)
             if runner.stop_reason is not None or (not runner.by_epoch
                                                   and runner.iter >= runner.max_iters):
-                finished = batch_idx + 1 == len(loader)
+                # a stream's loader counts a whole pass, not what is left of it: its pass
+                # ends when a later run's loop finds nothing more in it
+                finished = not is_stream(loader) and batch_idx + 1 == len(loader)
                 break
             at_step(runner.iter + 1)
             set_phase("data loading")
@@ -106,9 +110,13 @@ class TrainLoop:
 
 
 class EvalLoop:
-    """Predicts every batch of one data set and scores it with ``metrics``."""
+    """Predicts every batch of one data set and scores it with ``metrics``; or of several
+    (``dataloader`` and ``metrics`` dicts by set name), each scored with its own metrics and
+    reported as ``<mode>/<name>/<metric>``. The hooks see one ``before_<mode>`` and one
+    ``after_<mode>`` with every set's results."""
 
-    def __init__(self, runner: Any, dataloader: DataLoader, metrics: list[Any], mode: str):
+    def __init__(self, runner: Any, dataloader: DataLoader | Mapping[str, DataLoader],
+                 metrics: list[Any] | Mapping[str, list[Any]], mode: str):
         self.runner = runner
         self.dataloader = dataloader
         self.metrics = metrics
@@ -122,24 +130,35 @@ class EvalLoop:
     def _run(self) -> dict[str, float]:
         runner = self.runner
         runner.call_hook(f"before_{self.mode}")
-        start_epoch(self.dataloader, 0, runner.seed)
         was_training = runner.model.training
         runner.model.eval()
+        if isinstance(self.dataloader, Mapping):
+            results = {f"{self.mode}/{name}/{key}": value
+                       for name, loader in self.dataloader.items()
+                       for key, value in self._score(loader, self.metrics[name]).items()}
+        else:
+            results = self._score(self.dataloader, self.metrics)
+        runner.model.train(was_training)
+        runner.call_hook(f"after_{self.mode}", results)
+        return results
+
+    def _score(self, loader: DataLoader, metrics: list[Any]) -> dict[str, float]:
+        """``loader``'s data predicted and scored with ``metrics``."""
+        runner = self.runner
+        start_epoch(loader, 0, runner.seed)
         dtype = autocast_dtype(runner.precision)
         autocast = torch.autocast(runner.device.type, dtype) if dtype else nullcontext()
         step = runner.model.val_step if self.mode == "val" else runner.model.test_step
-        for batch in self.dataloader:
+        for batch in loader:
             batch = to_device(batch, runner.device)
             with autocast:
                 outputs = step(batch)
-            for metric in self.metrics:
+            for metric in metrics:
                 metric.process(batch, outputs)
-        size = len(self.dataloader.dataset)
+        size = len(loader.dataset)
         results: dict[str, float] = {}
-        for metric in self.metrics:
+        for metric in metrics:
             results.update(metric.evaluate(size))
-        runner.model.train(was_training)
-        runner.call_hook(f"after_{self.mode}", results)
         return results
 
 

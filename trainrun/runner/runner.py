@@ -46,7 +46,10 @@ from trainrun.runner.builder import (
     build_model,
     check_batches,
     check_loader,
+    check_set_name,
+    named_sets,
     optimizer_factory,
+    unsized_epochs,
     wrap_optimizers,
 )
 from trainrun.runner.checkpoint import (
@@ -75,7 +78,7 @@ from trainrun.runner.hooks import (
     PreemptionHook,
     ValidationHook,
 )
-from trainrun.runner.hooks.checkpoint import check_checkpoint
+from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
 from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
@@ -86,6 +89,7 @@ from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
+from trainrun.runner.stream import is_sized, is_stream, stream_warnings
 from trainrun.wrappers import Strategy, build_strategy
 
 
@@ -101,14 +105,14 @@ class Runner:
         model: nn.Module | Mapping[str, Any],
         work_dir: str | os.PathLike,
         train_dataloader: DataLoader | Mapping[str, Any] | None = None,
-        val_dataloader: DataLoader | Mapping[str, Any] | None = None,
+        val_dataloader: DataLoader | Mapping[str, Any] | None = None,  # or a dict of either
         test_dataloader: DataLoader | Mapping[str, Any] | None = None,
         optim: Mapping[str, Any] | Callable[[nn.Module], Any] | None = None,
         scheduler: Mapping[str, Any] | None = None,
         strategy: str | Mapping[str, Any] | Strategy = "ddp",
         precision: str = "fp32",
         schedule: Mapping[str, Any] | None = None,
-        val_metrics: Sequence[BaseMetric] | None = None,
+        val_metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]] | None = None,
         test_metrics: Sequence[BaseMetric] | None = None,
         hooks: Sequence[Hook | Mapping[str, Any]] = (),
         randomness: Mapping[str, Any] | None = None,
@@ -145,11 +149,10 @@ class Runner:
             model = build_model(model) if isinstance(model, Mapping) else model
             shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
             self.train_dataloader = self._loader(train_dataloader, "train")
-            self.val_dataloader = self._loader(val_dataloader, "val")
+            self.val_dataloader = self._val_loaders(val_dataloader)
             self.test_dataloader = self._loader(test_dataloader, "test")
             self._check_batches(train_dataloader)
-            self.val_metrics = self._metrics(val_metrics, val_dataloader, self.val_dataloader,
-                                             "data.val")
+            self.val_metrics = self._val_metrics(val_metrics, val_dataloader)
             self.test_metrics = self._metrics(test_metrics, test_dataloader,
                                               self.test_dataloader, "data.test")
 
@@ -172,6 +175,9 @@ class Runner:
             self.schedulers = self._schedulers(scheduler)
 
             checkpoint = self._section(check_checkpoint, "checkpoint", checkpoint)
+            check_best_metric("checkpoint.save_best", checkpoint["save_best"],
+                              list(self.val_dataloader) if isinstance(self.val_dataloader, dict)
+                              else None)
             self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
                                                  max_keep=checkpoint["max_keep"])
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
@@ -191,8 +197,9 @@ class Runner:
             self.stop_reason: str | None = None  # why training ends early (`request_stop`)
             self.training = False
             self.failed_at_step: int | None = None  # the step training was in when it raised
-            self.train_loop = TrainLoop(self, self.train_dataloader) \
-                if self.train_dataloader else None
+            loader = self.train_dataloader  # a stream may have no length to test
+            self.train_loop = TrainLoop(self, loader) \
+                if is_stream(loader) or loader else None
         except BaseException as error:
             self._leave_group(error)
             raise
@@ -281,12 +288,39 @@ class Runner:
         if slurm:
             self.logger.warning("SLURM started this job again: restart %d", slurm)
 
-    def _loader(self, loader: Any, split: str) -> DataLoader | None:
+    def _loader(self, loader: Any, split: str, key: str | None = None) -> DataLoader | None:
         if loader is None or isinstance(loader, DataLoader):
             return loader
-        key = f"data.{split}"
+        key = key or f"data.{split}"
         section = self._section(partial(check_loader, split=split), key, loader)
-        return build_dataloader(section, self.seed, split == "train", key=key)
+        built = build_dataloader(section, self.seed, split == "train", key=key)
+        if is_stream(built) and self.rank == 0:
+            for warning in stream_warnings(key, section, built.dataset.dataset):
+                self.logger.warning(warning)
+        return built
+
+    def _val_loaders(self, loaders: Any) -> DataLoader | dict[str, DataLoader] | None:
+        """The validation loader, or for several validation sets (a mapping of names to
+        loaders or data sections) a dict of them."""
+        if not named_sets(loaders):
+            return self._loader(loaders, "val")
+        return {check_set_name("data.val", name): self._loader(loader, "val", f"data.val.{name}")
+                for name, loader in loaders.items()}
+
+    def _val_metrics(self, metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]]
+                     | None, sections: Any) -> list[BaseMetric] | dict[str, list[BaseMetric]]:
+        """The validation metrics; for several sets a dict of them by set: from ``metrics``
+        (a dict by set name, or one list every set is scored with in turn), else from each
+        set's section or data set."""
+        loaders = self.val_dataloader
+        if not isinstance(loaders, dict):
+            return self._metrics(metrics, sections, loaders, "data.val")
+        if isinstance(metrics, Mapping) and set(metrics) - set(loaders):
+            raise ValueError(f"val_metrics names sets {sorted(set(metrics) - set(loaders))} "
+                             f"that val_dataloader does not have ({', '.join(loaders)})")
+        return {name: self._metrics(metrics.get(name) if isinstance(metrics, Mapping)
+                                    else metrics, sections[name], loader, f"data.val.{name}")
+                for name, loader in loaders.items()}
 
     def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
                  loader: DataLoader | None, key: str) -> list[BaseMetric]:
@@ -301,6 +335,13 @@ class Runner:
         """A training set the config describes that leaves no batch is refused (every rank
         finds the same) before the run directory is written."""
         loader = self.train_dataloader
+        if is_stream(loader):
+            if is_sized(loader) and len(loader) == 0:
+                raise ConfigError(f"data.train: the stream's {len(loader.dataset.dataset)} "
+                                  f"items leave no batch of {loader.batch_size} for each of "
+                                  f"{self.world_size} process(es) x "
+                                  f"{loader.dataset.workers} worker(s)")
+            return
         if isinstance(section, Mapping) and loader is not None and len(loader) == 0:
             check_batches("data.train", len(loader.dataset), self.world_size,
                           loader.batch_size, loader.drop_last)
@@ -336,7 +377,12 @@ class Runner:
 
     def _set_schedule(self, schedule: Mapping[str, Any]) -> None:
         self.by_epoch = schedule["max_iters"] is None
-        steps_per_epoch = len(self.train_dataloader) if self.train_dataloader else 0
+        loader = self.train_dataloader
+        if loader is not None and not is_sized(loader):  # a stream without a length
+            if self.by_epoch:
+                unsized_epochs(type(loader.dataset.dataset).__name__, None)
+            loader = None
+        steps_per_epoch = len(loader) if loader else 0
         if self.by_epoch:
             self.max_epochs = schedule["max_epochs"]
             self.max_iters = self.max_epochs * steps_per_epoch
@@ -476,7 +522,8 @@ class Runner:
         raise why from error
 
     def val(self) -> dict[str, float]:
-        """Validate on the val data; every rank gets the metrics."""
+        """Validate on the val data; every rank gets the metrics (with several validation
+        sets, each set's as ``val/<name>/<metric>``)."""
         if self.val_dataloader is None:
             raise ValueError("val() needs a validation data loader (data.val in the config)")
         return EvalLoop(self, self.val_dataloader, self.val_metrics, "val").run()
@@ -508,8 +555,9 @@ class Runner:
         accumulated gradients between steps); this gathers them, so every rank must call it."""
         rngs = gather_object(rng_state(), dst=0)
         wrapper_states = gather_object(self.optim_wrapper.state_dict(), dst=0)
-        sampler = self.train_dataloader.sampler
-        return {
+        loader = self.train_dataloader
+        sampler = loader.sampler
+        state = {
             "meta": {"epoch": self.epoch, "iter": self.iter, "seed": self.seed,
                      "world_size": self.world_size, "strategy": self.strategy.name},
             "sampler": sampler.state_dict() if isinstance(sampler, ResumableSampler) else None,
@@ -518,6 +566,9 @@ class Runner:
             "rng": rngs,
             "hooks": self._hook_states(),
         }
+        if is_stream(loader):  # its place: every rank's (each reads its own share)
+            state["stream"] = gather_object(loader.state_dict(), dst=0)
+        return state
 
     def _hook_states(self) -> dict[str, Any]:
         """The hooks' states by key: rank 0's, or for a hook with ``state_per_rank`` every
@@ -663,6 +714,7 @@ class Runner:
             # the epoch being trained goes on from the cursor, even one at the epoch's end (a
             # checkpoint after its last step): that epoch is then finished, not started again
             self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
+        self._resume_stream(state.get("stream"))
         self._load_hook_states(state["hooks"])
         rngs = state["rng"]
         if len(rngs) == self.world_size:
@@ -673,6 +725,20 @@ class Runner:
                                 len(rngs), self.world_size)
         at_checkpoint(Path(path).name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
+
+    def _resume_stream(self, streams: list[Any] | None) -> None:
+        """Put a stream back where this rank's share of it stopped. Saved by another number of
+        ranks, the shares differ: the stream starts again, said in a warning."""
+        loader = self.train_dataloader
+        if not is_stream(loader) or streams is None:
+            return
+        if len(streams) == self.world_size:
+            loader.load_state_dict(streams[self.rank])
+        elif self.rank == 0:
+            self.logger.warning("data.train: the checkpoint was written by %d ranks, this job "
+                                "has %d: each rank's share of the stream differs, so the "
+                                "stream starts again from its beginning", len(streams),
+                                self.world_size)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path`` (a

@@ -7,11 +7,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainrun.dist.text import is_int
+from trainrun.dist.text import closest, is_int
 from trainrun.runner.checkpoint import MAX_KEEP
 from trainrun.runner.hooks.base import CHECKPOINT, Hook, every
 from trainrun.runner.logging import get_logger
-from trainrun.runner.schema import BOOL, TEXT, choice, fields, integer, nullable, rule
+from trainrun.runner.schema import (
+    BOOL,
+    TEXT,
+    ConfigError,
+    choice,
+    fields,
+    integer,
+    nullable,
+    rule,
+)
 
 
 def best_rule_for(metric: str) -> str:
@@ -68,8 +77,9 @@ class CheckpointHook(Hook):
             return
         previous = self.best_path
         self.best_value = value
+        metric = self.save_best.replace("/", "_")  # val/<set>/<metric> names no directory
         self.best_path = str(runner.save_checkpoint(
-            name=f"best_{self.save_best}_{runner.checkpoint_tag()}", update_last=False))
+            name=f"best_{metric}_{runner.checkpoint_tag()}", update_last=False))
         if previous and previous != self.best_path:
             runner.checkpoints.remove(Path(previous))
         get_logger().info("new best %s %.6g saved", self.save_best, value)
@@ -106,3 +116,21 @@ def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any
     elif out["best_rule"] is None:
         out["best_rule"] = best_rule_for(out["save_best"])
     return out
+
+
+def check_best_metric(key: str, save_best: str | None, val_sets: list[str] | None) -> None:
+    """With several validation sets (``val_sets``, their names) the metric ``save_best``
+    names must be one of a set, ``val/<name>/<metric>``: a ConfigError naming ``key``
+    otherwise. (Which metrics a set reports is known only once it is scored: a metric name
+    no set reports is warned about then, as with one set.)"""
+    if save_best is None or not val_sets:
+        return
+    prefix, _, rest = save_best.partition("/")
+    name, _, metric = rest.partition("/")
+    if prefix == "val" and name in val_sets and metric:
+        return
+    hint = closest(name, val_sets, cutoff=0.5) if prefix == "val" else None
+    raise ConfigError(
+        f"{key}: got {save_best!r}, expected val/<name>/<metric> with <name> one of the "
+        f"validation sets ({', '.join(val_sets)}), e.g. 'val/{val_sets[0]}/accuracy'"
+        + (f"; did you mean 'val/{hint}/{metric}'?" if hint and metric else ""))

@@ -109,8 +109,10 @@ class LoggerHook(Hook):
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
         if self._tensorboard is not None:
+            several = isinstance(runner.val_dataloader, dict)  # keys: val/<set>/<metric>
             for key, value in metrics.items():
-                self._tensorboard.add_scalar(f"val/{key}", value, runner.iter)
+                self._tensorboard.add_scalar(key if several else f"val/{key}", value,
+                                             runner.iter)
         text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self._log(f"validation at step {runner.iter}: {text}")
 
