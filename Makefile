@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # DeepSpeed compiles its C++ ops on first use; keep them with the environment so they are built once.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+# torch.compile's generated code (config `compile`), kept the same way: a second `make test`
+# reuses it instead of compiling again.
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/inductor_cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint lint
