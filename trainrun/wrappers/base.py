@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -30,6 +31,8 @@ from torch.optim import Optimizer
 
 from trainrun.dist import barrier, is_main_process
 from trainrun.dist.text import first_line
+
+log = logging.getLogger("trainrun")
 
 # The runner's own state (rank 0's) inside a checkpoint that is a directory (fsdp, deepspeed).
 TRAIN_STATE = "train_state.pt"
@@ -292,6 +295,9 @@ def compile_module(module: nn.Module, name: str, options: Mapping[str, Any]) -> 
             raise CompileFailed(f"compile: {what} failed: {first_line(error)}") from error
 
     module.forward = forward
+    shown = ", ".join(f"{key}={value}" for key, value in options.items())
+    log.info("compile: %s (%s) is compiled at its first call (%s)", name,
+             type(module).__name__, shown)
 
 
 def copy_tensors(state: Any) -> Any:
