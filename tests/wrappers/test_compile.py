@@ -1,5 +1,6 @@
 """A compiled run (inductor, ddp on 2 ranks) that crashes and resumes logs the losses of one
-that never stopped, bit for bit, and its checkpoints keep the uncompiled model's keys.
+that never stopped, bit for bit, and its checkpoints keep the uncompiled model's keys; each
+strategy compiles the modules it says it does.
 (The same run against an uncompiled one, and fsdp, through the command line:
 tests/tools/test_compile_cli.py.)"""
 
@@ -15,8 +16,10 @@ import torch
 
 from tests.runner.toy import CrashAfter, Killed
 from trainrun.examples.digits import DigitsMLP
+from trainrun.examples.gan import ToyGAN
 from trainrun.runner import Runner
 from trainrun.runner.config import load_config
+from trainrun.wrappers import DDPStrategy, FSDPStrategy, SeparateDDPStrategy, SingleDeviceStrategy
 
 CONFIG = """\
 model: {type: DigitsMLP, hidden: 64}   # dropout 0.1: compiled dropout must draw as eager's
@@ -68,3 +71,25 @@ def test_a_compiled_run_resumes_exactly_after_a_crash(run_on, tmp_path):
                             weights_only=True)
     assert list(checkpoint["model"]) == list(DigitsMLP(hidden=64).state_dict())
     assert "loaded weights from" in (tmp_path / "uncompiled" / "train.log").read_text()
+
+
+def _compiled(model: torch.nn.Module) -> list[str]:
+    """The names of the modules whose forward `compile_module` replaced."""
+    return [name or "model" for name, module in model.named_modules()
+            if "forward" in vars(module)]
+
+
+@pytest.mark.parametrize(("strategy", "model", "expected"), [
+    (SingleDeviceStrategy(), DigitsMLP(), ["model"]),
+    (DDPStrategy(), DigitsMLP(), ["model"]),
+    (SeparateDDPStrategy(), ToyGAN(), ["generator", "discriminator"]),
+    (FSDPStrategy(), DigitsMLP(), ["model"]),  # no shard unit named: the whole model
+    (FSDPStrategy(wrap={"classes": ["Linear"]}), DigitsMLP(), ["net.0", "net.3"]),
+], ids=["none", "ddp", "separate_ddp", "fsdp", "fsdp-units"])
+def test_each_strategy_compiles_what_it_says(strategy, model, expected):
+    """In one process (no group, nothing wrapped), with the eager backend (no code made)."""
+    keys = list(model.state_dict())
+    strategy.use_compile({"backend": "eager"})
+    built, _ = strategy.setup(model, torch.device("cpu"), None)
+    assert _compiled(strategy.unwrap(built)) == expected
+    assert list(strategy.model_state_dict(built)) == keys
