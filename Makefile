@@ -3,9 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # DeepSpeed compiles its C++ ops on first use; keep them with the environment so they are built once.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+# torch.compile's generated code (config `compile`), kept the same way: a second `make test`
+# reuses it instead of compiling again.
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/inductor_cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint lint
+.PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile lint
 
 setup:
 	@bash tools/bootstrap.sh
@@ -22,7 +25,7 @@ test: setup
 test-fast: setup
 	$(PYTEST) -m "not slow"
 
-bench: bench-collectives bench-runner bench-memory bench-checkpoint
+bench: bench-collectives bench-runner bench-memory bench-checkpoint bench-compile
 
 bench-collectives: setup
 	@bash bench/run_collectives.sh
@@ -35,6 +38,9 @@ bench-memory: setup
 
 bench-checkpoint: setup
 	OMP_NUM_THREADS=1 $(PY) bench/checkpoint.py
+
+bench-compile: setup
+	@bash bench/run_compile.sh
 
 lint: setup
 	$(VENV)/bin/ruff check trainrun tests tools bench

@@ -195,3 +195,13 @@ class SizedDigitsStream(StatefulDigitsStream):
 
     def __len__(self) -> int:
         return self.passes * len(self.order)
+
+
+class ItemDigitsMLP(DigitsMLP):
+    """Reads a tensor's value in its forward (``.item()``): a graph break, which
+    ``compile.fullgraph`` refuses."""
+
+    def forward(self, batch, mode="loss"):
+        if batch["inputs"].sum().item() < 0:  # never: the pixels are in [0, 1]
+            raise ValueError("negative pixels")
+        return super().forward(batch, mode)

@@ -81,6 +81,16 @@ def _backend(cfg: Mapping[str, Any]) -> str:
     return text + (" (unused: launcher none joins no group)" if cfg["launcher"] == "none" else "")
 
 
+def _compile(cfg: Mapping[str, Any]) -> str:
+    """What is compiled (the strategy says) and with which options."""
+    if not cfg.get("compile"):
+        return "no"
+    from trainrun.wrappers import STRATEGIES
+
+    where = STRATEGIES[cfg["strategy"]["type"]].COMPILES
+    return f"{where}; {_options(cfg['compile'])} (at the first step)"
+
+
 def _devices(launcher: str, world_size: int) -> str:
     device = get_device()
     if device == "cuda":
@@ -206,6 +216,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("scheduler", _with_options(cfg["scheduler"]) if cfg["scheduler"]
          else "none (constant learning rate)"),
         ("precision", cfg["precision"]),
+        ("compile", _compile(cfg)),
         ("seed", _options(cfg["randomness"])),
         ("checkpoints", _checkpoints(cfg)),
         ("hooks", _hooks(cfg)),

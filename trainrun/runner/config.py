@@ -36,6 +36,7 @@ from trainrun.runner.optim import PRECISIONS, check_optim_section
 from trainrun.runner.preemption import PREEMPTION
 from trainrun.runner.scheduler import check_scheduler, check_total_iters
 from trainrun.runner.schema import (
+    BOOL,
     REQUIRED,
     TEXT,
     ConfigError,
@@ -51,6 +52,7 @@ from trainrun.runner.schema import (
 )
 from trainrun.runner.seed import RANDOMNESS
 from trainrun.wrappers import STRATEGIES
+from trainrun.wrappers.base import COMPILE_BACKENDS, COMPILE_DEFAULTS, COMPILE_MODES
 
 log = logging.getLogger("trainrun")
 
@@ -85,6 +87,33 @@ def check_resume(key: str, value: Any) -> bool | str:
     return existing_path(key, value)
 
 
+COMPILE: Fields = {
+    "backend": (COMPILE_DEFAULTS["backend"], choice(*COMPILE_BACKENDS)),
+    "mode": (COMPILE_DEFAULTS["mode"], choice(*COMPILE_MODES)),
+    "fullgraph": (COMPILE_DEFAULTS["fullgraph"], BOOL),
+    "dynamic": (COMPILE_DEFAULTS["dynamic"], nullable(BOOL)),
+}
+
+
+def check_compile(key: str, value: Any) -> dict[str, Any] | bool:
+    """``false`` (no compiling), or torch.compile's options: ``true`` is every default."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise bad_value(key, value, "false, true or a mapping of backend, mode, fullgraph "
+                                    "and dynamic")
+    options = fields(key, value, COMPILE)
+    if options["backend"] != "inductor" and options["mode"] != "default":
+        raise ConfigError(f"{key}.mode: got {show(options['mode'])}, but modes are "
+                          f"inductor's; {key}.backend is {options['backend']!r}")
+    return options
+
+
+check_compile.expected = "false, true or a mapping"  # type: ignore[attr-defined]
+
+
 def top_level(mode: str, warnings: list[str]) -> Fields:
     """The table of the whole config (``work_dir``'s default is filled from ``name``)."""
     return {
@@ -99,6 +128,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "optim": (None, check_optim_section),
         "scheduler": (None, lambda key, value: check_scheduler(value, key)),
         "precision": ("fp32", choice(*PRECISIONS)),
+        "compile": (False, check_compile),
         "schedule": (None, check_schedule),
         "randomness": (None, RANDOMNESS),
         "logging": (None, partial(check_logging, warnings=warnings)),
@@ -127,8 +157,12 @@ def check(data: Any, mode: str = "train") -> tuple[dict[str, Any], list[str]]:
     if out["schedule"]["max_iters"] is not None:
         check_total_iters(out["scheduler"], out["schedule"]["max_iters"],
                           total_name="schedule.max_iters")
+    strategy = STRATEGIES[out["strategy"]["type"]]
+    if out["compile"] and strategy.COMPILES is None:
+        raise ConfigError(f"compile: strategy {strategy.name!r} does not compile models; "
+                          f"set compile: false")
     try:
-        STRATEGIES[out["strategy"]["type"]].check_config(out)
+        strategy.check_config(out)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return out, warnings

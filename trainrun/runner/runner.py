@@ -66,6 +66,7 @@ from trainrun.runner.config import (
     DEFAULT_DIST_TIMEOUT,
     LAUNCH_KEYS,
     ConfigError,
+    check_compile,
     saved_config_changes,
 )
 from trainrun.runner.evaluation import BaseMetric
@@ -111,6 +112,7 @@ class Runner:
         scheduler: Mapping[str, Any] | None = None,
         strategy: str | Mapping[str, Any] | Strategy = "ddp",
         precision: str = "fp32",
+        compile: bool | Mapping[str, Any] = False,
         schedule: Mapping[str, Any] | None = None,
         val_metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]] | None = None,
         test_metrics: Sequence[BaseMetric] | None = None,
@@ -157,6 +159,8 @@ class Runner:
                                               self.test_dataloader, "data.test")
 
             self.strategy = self._strategy(strategy)
+            compile = check_compile("compile", compile)
+            self.strategy.use_compile(compile or None)
             make_optimizer = optimizer_factory(optim, self._warn_once, self._log_groups) \
                 if isinstance(optim, Mapping) else optim
             if self.train_dataloader is None:
@@ -224,6 +228,7 @@ class Runner:
             scheduler=plain.get("scheduler"),
             strategy={"type": plain["strategy"]["type"], **strategy_options(cfg)},
             precision=plain["precision"],
+            compile=plain.get("compile", False),
             schedule=plain["schedule"],
             randomness=plain["randomness"],
             logging=plain["logging"],

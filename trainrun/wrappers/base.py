@@ -10,7 +10,9 @@ line in `STRATEGIES` (trainrun/wrappers/__init__.py fills it with the shipped on
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -29,6 +31,8 @@ from torch.optim import Optimizer
 
 from trainrun.dist import barrier, is_main_process
 from trainrun.dist.text import first_line
+
+log = logging.getLogger("trainrun")
 
 # The runner's own state (rank 0's) inside a checkpoint that is a directory (fsdp, deepspeed).
 TRAIN_STATE = "train_state.pt"
@@ -79,6 +83,11 @@ class Strategy(ABC):
     # In a checkpoint of this strategy, the names of the files each rank writes itself: group 1
     # is the writer's rank. Files it does not match (all, if None) are rank 0's.
     WRITER_RANK: ClassVar[re.Pattern[str] | None] = None
+    # What `setup` compiles when the config's `compile` is on, in words for the plan; None: this
+    # strategy does not compile (the config refuses `compile` for it).
+    COMPILES: ClassVar[str | None] = None
+    # The `compile` options (`COMPILE_DEFAULTS`' keys) `use_compile` gave; None: no compiling.
+    compile_options: dict[str, Any] | None = None
 
     def __init__(self, **options: Any):
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -95,6 +104,13 @@ class Strategy(ABC):
         """The run's own settings, before `setup`: per-rank batch size, the ``optim`` section
         and the precision. Strategies that step the optimiser themselves (DeepSpeed) need them;
         this default ignores them."""
+
+    def use_compile(self, options: Mapping[str, Any] | None) -> None:
+        """Have `setup` compile the model with ``options`` (`COMPILE_DEFAULTS`' keys), where
+        the strategy says (`COMPILES`); None: no compiling."""
+        if options is not None and self.COMPILES is None:
+            raise ValueError(f"compile: strategy {self.name!r} does not compile models")
+        self.compile_options = None if options is None else {**COMPILE_DEFAULTS, **options}
 
     @classmethod  # noqa: B027 - optional: most strategies run any checked config
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -232,6 +248,56 @@ class Strategy(ABC):
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+
+
+# ---------------------------------------------------------------- torch.compile
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# inductor generates code; aot_eager traces forward and backward but runs them eagerly, and
+# eager only captures the graph: the two are quick checks that a model compiles at all.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_DEFAULTS: dict[str, Any] = {"backend": "inductor", "mode": "default",
+                                    "fullgraph": False, "dynamic": None}
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile failed on a module; the message names it."""
+
+
+def compile_module(module: nn.Module, name: str, options: Mapping[str, Any]) -> None:
+    """Compile ``module``'s forward in place, so that its hooks (a strategy's) stay outside
+    the compiled code and its state dict keeps its keys (no ``_orig_mod.``). ``name`` is its
+    dotted place in the model ('model', 'model.blocks.0'), which a failure names.
+
+    Compiling happens at the first call (and again where guards fail: eval mode, another
+    batch shape). Under inductor, random operations (dropout) draw as in eager mode, from the
+    same generator: losses stay those of the uncompiled run, and resume stays exact.
+    """
+    options = {**COMPILE_DEFAULTS, **options}
+    backend = options["backend"]
+    if backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
+    from torch._dynamo.exc import TorchDynamoException
+
+    compiled = torch.compile(module.forward, backend=backend, fullgraph=options["fullgraph"],
+                             dynamic=options["dynamic"],
+                             mode=options["mode"] if backend == "inductor" else None)
+    what = f"{'fullgraph ' if options['fullgraph'] else ''}compile of " \
+           f"{type(module).__name__} ({name})"
+
+    @functools.wraps(module.forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled(*args, **kwargs)
+        except TorchDynamoException as error:
+            raise CompileFailed(f"compile: {what} failed: {first_line(error)}") from error
+
+    module.forward = forward
+    shown = ", ".join(f"{key}={value}" for key, value in options.items())
+    log.info("compile: %s (%s) is compiled at its first call (%s)", name,
+             type(module).__name__, shown)
 
 
 def copy_tensors(state: Any) -> Any:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainrun.dist import is_distributed
-from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
 
 log = logging.getLogger("trainrun")
@@ -99,6 +99,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     WRAPPERS = (DistributedDataParallel,)  # MMDistributedDataParallel too
+    COMPILES = "the model, before the DDP wrap"
     OPTIONS = {
         "find_unused_parameters": False,
         "bucket_cap_mb": 25,
@@ -111,6 +112,8 @@ class DDPStrategy(Strategy):
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
         model = model.to(device)
+        if self.compile_options is not None:
+            compile_module(model, "model", self.compile_options)
         if is_distributed():
             device_ids = [device.index] if device.type == "cuda" else None
             model = MMDistributedDataParallel(model, device_ids=device_ids, **self.options)

@@ -34,6 +34,7 @@ from trainrun.wrappers.base import (
     MakeOptimizer,
     Optimizers,
     Strategy,
+    compile_module,
     load_state_file,
     save_state_file,
 )
@@ -132,6 +133,15 @@ def shard_units(model: nn.Module, wrap: dict[str, Any] | None) -> list[nn.Module
     return units
 
 
+def compile_units(model: nn.Module, units: list[nn.Module], options: dict[str, Any]) -> None:
+    """Compile each shard unit (the whole model where there are none), as torchtitan compiles
+    each transformer block: every unit is then one compiled region between FSDP's gathers."""
+    names = {id(module): name for name, module in model.named_modules()}
+    for unit in units or [model]:
+        compile_module(unit, f"model.{names[id(unit)]}" if unit is not model else "model",
+                       options)
+
+
 class MMFullyShardedDataParallel(nn.Module):
     """A model sharded with `fully_shard`, behind ``train_step``/``val_step``/``test_step``.
 
@@ -141,13 +151,16 @@ class MMFullyShardedDataParallel(nn.Module):
     (sharded within groups of ``hybrid_shard_size`` ranks, replicated across them);
     ``mixed_precision`` {param_dtype, reduce_dtype, output_dtype}; ``cpu_offload``;
     ``wrap`` {classes, min_params}: the submodules that become their own shard units;
-    ``activation_checkpointing``: recompute those units' activations in backward.
+    ``activation_checkpointing``: recompute those units' activations in backward;
+    ``compile``: `torch.compile` options (see `compile_module`) for each unit, or for the whole
+    model where no unit is named, before it is sharded (its hooks stay eager).
     """
 
     def __init__(self, module: nn.Module, sharding: str = "full",
                  mixed_precision: dict[str, Any] | None = None, cpu_offload: bool = False,
                  wrap: dict[str, Any] | None = None, activation_checkpointing: bool = False,
-                 hybrid_shard_size: int | None = None, device: torch.device | None = None):
+                 hybrid_shard_size: int | None = None, device: torch.device | None = None,
+                 compile: dict[str, Any] | None = None):
         super().__init__()
         check_sharding(sharding)
         device = device or next(module.parameters()).device
@@ -160,6 +173,8 @@ class MMFullyShardedDataParallel(nn.Module):
 
             for unit in units:
                 checkpoint(unit)
+        if compile is not None:
+            compile_units(module, units, compile)
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         kwargs: dict[str, Any] = {
@@ -338,6 +353,8 @@ class FSDPStrategy(Strategy):
     """Parameters, gradients and optimiser state sharded over ranks (`fully_shard`)."""
 
     name = "fsdp"
+    COMPILES = ("each shard unit strategy.wrap names (the whole model where it names none), "
+                "before fully_shard")
 
     # trainrun's wrapper, and torch's fully sharded modules of both generations (by name: see
     # the note on imports at the top)
@@ -392,9 +409,13 @@ class FSDPStrategy(Strategy):
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
         model = model.to(device)
         if is_distributed():
-            model = MMFullyShardedDataParallel(model, device=device, **self.options)
+            model = MMFullyShardedDataParallel(model, device=device,
+                                               compile=self.compile_options, **self.options)
         else:
             log.info("strategy 'fsdp' in a single process: the model is not sharded")
+            if self.compile_options is not None:
+                compile_units(model, shard_units(model, self.options["wrap"]),
+                              self.compile_options)
         optimizer = make_optimizer(self.unwrap(model)) if make_optimizer is not None else None
         if isinstance(optimizer, dict):
             raise ValueError("strategy 'fsdp' takes one optimiser over the whole model "

@@ -12,8 +12,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainrun.dist import is_distributed
-from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.ddp import ddp_options, quiet_buffer_warning
+
+
+def trainable_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of ``module`` with trainable parameters: each gets its own DDP."""
+    return [(name, child) for name, child in module.named_children()
+            if any(p.requires_grad for p in child.parameters())]
 
 
 class MMSeparateDistributedDataParallel(nn.Module):
@@ -28,14 +34,13 @@ class MMSeparateDistributedDataParallel(nn.Module):
                  find_unused_parameters: bool = False, **kwargs: Any):
         super().__init__()
         self.module = module
-        for name, child in list(module.named_children()):
-            if any(p.requires_grad for p in child.parameters()):
-                options = ddp_options({"broadcast_buffers": broadcast_buffers,
-                                       "find_unused_parameters": find_unused_parameters,
-                                       **kwargs})
-                with quiet_buffer_warning():
-                    ddp = DistributedDataParallel(child, **options)
-                module._modules[name] = ddp
+        for name, child in trainable_children(module):
+            options = ddp_options({"broadcast_buffers": broadcast_buffers,
+                                   "find_unused_parameters": find_unused_parameters,
+                                   **kwargs})
+            with quiet_buffer_warning():
+                ddp = DistributedDataParallel(child, **options)
+            module._modules[name] = ddp
 
     def train_step(self, data: Any, optim_wrapper: Any) -> Any:
         return self.module.train_step(data, optim_wrapper)
@@ -86,10 +91,15 @@ class SeparateDDPStrategy(Strategy):
 
     WRAPPERS = (MMSeparateDistributedDataParallel,)
     OPTIONS = {"broadcast_buffers": False, "find_unused_parameters": False}
+    # the model's own train_step calls its children, not its forward
+    COMPILES = "each submodule with trainable parameters, before its DDP wrap"
 
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
         model = model.to(device)
+        if self.compile_options is not None:
+            for name, child in trainable_children(model):
+                compile_module(child, f"model.{name}", self.compile_options)
         optimizer = make_optimizer(model) if make_optimizer is not None else None
         if is_distributed():
             model = MMSeparateDistributedDataParallel(model, **self.options)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainrun.dist import get_world_size
-from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 
 log = logging.getLogger("trainrun")
 
@@ -17,6 +17,7 @@ class SingleDeviceStrategy(Strategy):
     """No wrapping and no gradient sync: each process trains its own copy."""
 
     name = "none"
+    COMPILES = "the model"
 
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
@@ -25,4 +26,6 @@ class SingleDeviceStrategy(Strategy):
                         "gradients are not averaged (use strategy 'ddp' for that)",
                         get_world_size())
         model = model.to(device)
+        if self.compile_options is not None:
+            compile_module(model, "model", self.compile_options)
         return model, make_optimizer(model) if make_optimizer is not None else None
