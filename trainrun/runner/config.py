@@ -328,10 +328,17 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
+def _empty(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
 def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
                    may_change: Iterable[str] = RESUME_MAY_CHANGE) -> list[str]:
     """``key: saved -> now`` for every key whose value differs between a run's saved config
-    and the config resuming it, but for the keys in ``may_change``."""
+    and the config resuming it, but for the keys in ``may_change``. A key the saved config
+    lacks whose value now is empty (null, false, [] or {}) is no change: it is a key added to
+    trainrun since that run began (``hooks``, ``compile``), at the default that does what the
+    run did without it."""
     may_change = set(may_change)
     old, new = _flat(_to_plain(saved)), _flat(_to_plain(now))
     unset = object()
@@ -342,6 +349,8 @@ def config_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
     changes = []
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key, unset), new.get(key, unset)
+        if before is unset and _empty(after):
+            continue
         if key not in may_change and before != after:
             changes.append(f"{key}: {shown(before)} -> {shown(after)}")
     return changes
