@@ -422,6 +422,7 @@ class DeepSpeedOptimWrapper:
         return _autocast(self.precision, self.engine.device.type)
 
     def update_params(self, loss: Tensor) -> None:
+        stepping = self.will_step
         self.done += 1
         with phase("backward"):
             if self._in_tail(self.done):  # mean over the short group's micro-steps
@@ -432,7 +433,9 @@ class DeepSpeedOptimWrapper:
                 self.engine.backward(loss)
         with phase("optimizer step"):
             self.engine.step()
-        norm = self.engine.get_global_grad_norm()
+        # the engine's global norm (before clipping) of the step just taken; None on a
+        # micro-step that only accumulated, or where the engine measures none
+        norm = self.engine.get_global_grad_norm() if stepping else None
         self.grad_norm = None if norm is None else torch.as_tensor(norm)
 
     def get_lr(self) -> float:
