@@ -192,7 +192,8 @@ def _logger_body(base):
     work_dir = Path(base) / f"rank{rank}"
     work_dir.mkdir()
     runner = SimpleNamespace(iter=0, epoch=0, max_iters=5, max_epochs=1, by_epoch=False,
-                             work_dir=work_dir,
+                             work_dir=work_dir, device=torch.device("cpu"), cfg=None,
+                             start_from=None,
                              metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
                              optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
                              timer=IterTimerHook())
@@ -219,7 +220,9 @@ def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
         mean = ((torch.tensor(0.1 * step) + torch.tensor(0.1 * step + 1)) / 2).item()
         assert record["loss"] == mean  # the float32 mean, to the last bit
         assert record["loss_x"] == 1.5 and record["lr"] == 0.125 and record["epoch"] == 1
-        assert {"time", "data_time"} <= set(record)
+        assert {"time", "data_time", "compute_time", "samples_per_s", "peak_memory_mb"} \
+            <= set(record)
+        assert "grad_norm" not in record  # this wrapper measures none
     assert records[-1] == {"step": 5, "mode": "val", "mse": 0.25, "accuracy": 0.5}
 
 

@@ -16,19 +16,21 @@ TOKENS = "num_tokens"  # the key of a dict batch that states how many tokens it 
 
 def batch_counts(batch: Any) -> tuple[int, int | None]:
     """How many samples a batch holds (the length of its first tensor with a batch dimension,
-    searched depth first) and how many tokens, where it is a dict holding `TOKENS` (else
-    None)."""
+    searched depth first) and how many tokens: where it is a dict holding `TOKENS`, a number,
+    or one per sample (what collating a per-sample count makes), summed; else None."""
     tokens = batch.get(TOKENS) if isinstance(batch, Mapping) else None
+    if tokens is not None:
+        tokens = int(tokens.sum()) if isinstance(tokens, Tensor) else int(tokens)
     todo = [batch]
     while todo:
         item = todo.pop(0)
         if isinstance(item, Tensor) and item.dim() > 0:
-            return len(item), None if tokens is None else int(tokens)
+            return len(item), tokens
         if isinstance(item, Mapping):
             todo[:0] = [v for k, v in item.items() if k != TOKENS]
         elif isinstance(item, (list, tuple)):
             todo[:0] = list(item)
-    return 0, None if tokens is None else int(tokens)
+    return 0, tokens
 
 
 class IterTimerHook(Hook):
