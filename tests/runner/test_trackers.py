@@ -1,0 +1,67 @@
+"""Trackers: the config's checks of ``logging.backends`` entries, the config flattened into
+MLflow parameters, and the trackers the logger makes (rank 0's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from trainrun.runner.hooks.logger import check_logging
+from trainrun.runner.schema import ConfigError
+from trainrun.runner.trackers import (
+    METHODS,
+    MLflowTracker,
+    Tracker,
+    WandbTracker,
+    is_tracker_class,
+    make_trackers,
+    params,
+)
+
+
+def backends(*names):
+    return check_logging("logging", {"backends": list(names)}, [])["backends"]
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_a_shipped_tracker_whose_package_is_missing_names_the_entry_and_the_extra(
+        monkeypatch, name):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda module, *a: None if module == name else real(module, *a))
+    with pytest.raises(ConfigError) as caught:
+        backends("console", name)
+    assert str(caught.value) == (f"logging.backends[1]: got {name!r}, but {name} is not "
+                                 f"installed; pip install trainrun[{name}]")
+
+
+def test_a_tracker_by_import_path_is_kept_and_made_without_arguments():
+    path = "tests.tools.trackers.RecordingTracker"
+    assert backends("jsonl", path, path) == ["jsonl", path]  # duplicates dropped
+    made = make_trackers(["console", "jsonl", path])
+    assert [type(t).__name__ for t in made] == ["RecordingTracker"]
+
+
+def test_the_interface_is_three_methods():
+    assert METHODS == ("start", "log", "finish")
+    assert all(is_tracker_class(c) for c in (Tracker, WandbTracker, MLflowTracker))
+    assert not is_tracker_class(dict)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
+                    reason="mlflow is not installed (pip install trainrun[mlflow])")
+def test_the_config_flattens_into_mlflow_params_cut_to_its_limit():
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH  # noqa: F401 (needs mlflow)
+
+    config = {"name": "x", "optim": {"lr": 0.001, "clip_grad": None, "per_module": {}},
+              "data": {"train": {"files": ["a.py", "b.py"]}}, "bad key!": "long" * 5000,
+              "schedule": {"max_iters": 10, "by": True}}
+    flat = params(config)
+    assert flat["name"] == "x" and flat["optim.lr"] == "0.001"
+    assert flat["optim.clip_grad"] == "null" and flat["optim.per_module"] == "{}"
+    assert json.loads(flat["data.train.files"]) == ["a.py", "b.py"]
+    assert flat["schedule.max_iters"] == "10" and flat["schedule.by"] == "true"
+    assert len(flat["bad key_"]) == MAX_PARAM_VAL_LENGTH
+
