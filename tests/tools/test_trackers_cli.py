@@ -155,3 +155,4 @@ def test_plot_metrics_plots_a_step_metric(tmp_path):
                 str(out), "--keys", "grad_norm", "samples_per_s", "data_time"])
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "3 panels" in done.stdout
+
