@@ -2,7 +2,7 @@
 
 Every ``interval`` iterations the logged values are averaged over the ranks (one small
 collective on every rank) and rank 0 writes them, with the step metrics (`STEP_METRICS`:
-gradient norm, throughput, where the time went, peak memory; two more small collectives).
+gradient norm, throughput, where the time went, peak memory; one more small collective).
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainrun.dist import all_reduce, all_reduce_dict, is_main_process
+from trainrun.dist import all_reduce, all_reduce_dict, get_dist_info, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
@@ -171,22 +171,24 @@ class LoggerHook(Hook):
 
 
 def step_metrics(runner: Any) -> dict[str, float]:
-    """The step metrics of a logged line (every rank calls this: two small collectives):
+    """The step metrics of a logged line (every rank calls this: one small collective):
     the gradient norm of the step (where its optimiser stepped), compute time, samples (and
     tokens) a second of all ranks over the timer's window, and the largest peak memory of any
     rank."""
     timer = runner.timer
     out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
     seconds, samples, tokens = timer.window_counts()
-    counts = torch.tensor([samples, tokens or 0], dtype=torch.float64)
-    all_reduce(counts, "sum")
-    memory = torch.tensor([peak_memory_mb(runner.device)], dtype=torch.float64)
-    all_reduce(memory, "max")
+    # one sum: the counts, and each rank's memory in a slot of its own (a max in a sum)
+    rank, world_size = get_dist_info()
+    summed = torch.zeros(2 + world_size, dtype=torch.float64)
+    summed[0], summed[1] = samples, tokens or 0
+    summed[2 + rank] = peak_memory_mb(runner.device)
+    all_reduce(summed, "sum")
     out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
-    out["samples_per_s"] = counts[0].item() / seconds if seconds else 0.0
+    out["samples_per_s"] = summed[0].item() / seconds if seconds else 0.0
     if tokens is not None:
-        out["tokens_per_s"] = counts[1].item() / seconds if seconds else 0.0
-    out["peak_memory_mb"] = memory.item()
+        out["tokens_per_s"] = summed[1].item() / seconds if seconds else 0.0
+    out["peak_memory_mb"] = summed[2:].max().item()
     return out
 
 
