@@ -65,3 +65,24 @@ def test_the_config_flattens_into_mlflow_params_cut_to_its_limit():
     assert flat["schedule.max_iters"] == "10" and flat["schedule.by"] == "true"
     assert len(flat["bad key_"]) == MAX_PARAM_VAL_LENGTH
 
+
+
+def test_trackers_see_only_training_a_validation_alone_tracks_nothing(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.tools.trackers import CALLS
+    from trainrun.runner.hooks.logger import LoggerHook
+
+    hook = LoggerHook(backends=["tests.tools.trackers.RecordingTracker"], progress_bar=False)
+    runner = SimpleNamespace(iter=0, max_iters=4, work_dir=tmp_path, cfg={"name": "x"},
+                             start_from=("resume", tmp_path / "iter_2.pth"))
+    hook.after_val(runner, {"accuracy": 0.5})  # runner.val() on its own
+    assert not (tmp_path / CALLS).exists()
+    hook.before_train(runner)
+    hook.after_val(runner, {"accuracy": 0.75})
+    hook.after_train(runner)
+    hook.after_train(runner)  # finished once
+    calls = [json.loads(line) for line in (tmp_path / CALLS).read_text().splitlines()]
+    assert [c["call"] for c in calls] == ["start", "log", "finish"]
+    assert calls[0]["config"] == {"name": "x"} and calls[0]["resume"] is True
+    assert calls[1]["values"] == {"val/accuracy": 0.75} and calls[1]["step"] == 0

@@ -62,6 +62,7 @@ class LoggerHook(Hook):
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
         self._bar = None
         self.trackers = make_trackers(self.backends) if is_main_process() else []
+        self._tracking = False  # the trackers are started (training, rank 0)
         self._started: tuple[float, int] | None = None  # (clock, step) when training began
         self._last_val: dict[str, float] = {}
 
@@ -71,6 +72,7 @@ class LoggerHook(Hook):
             config, resume = tracker_config(runner), resuming(runner)
             for tracker in self.trackers:
                 tracker.start(runner.work_dir, config, resume)
+            self._tracking = True
         if self.progress_bar:
             from tqdm import tqdm
 
@@ -110,7 +112,8 @@ class LoggerHook(Hook):
         self._log(self._train_line(runner, record))
 
     def _track(self, values: dict[str, float], step: int) -> None:
-        for tracker in self.trackers:
+        """To every tracker, while training (a validation run alone tracks nothing)."""
+        for tracker in self.trackers if self._tracking else ():
             tracker.log(values, step)
 
     def _log(self, message: str) -> None:
@@ -165,9 +168,9 @@ class LoggerHook(Hook):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        for tracker in self.trackers:
+        for tracker in self.trackers if self._tracking else ():
             tracker.finish()
-        self.trackers = []
+        self._tracking = False
 
 
 def step_metrics(runner: Any) -> dict[str, float]:
