@@ -178,10 +178,6 @@ BUILT_IN: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTr
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # they need
 
 
-def is_tracker_class(value: Any) -> bool:
-    return inspect.isclass(value) and all(callable(getattr(value, m, None)) for m in METHODS)
-
-
 def tracker_class(name: str) -> type:
     """The class of a shipped tracker by name, or of one by import path."""
     if name in BUILT_IN:

@@ -2,7 +2,7 @@
 
 Every ``interval`` iterations the logged values are averaged over the ranks (one small
 collective on every rank) and rank 0 writes them, with the step metrics (`STEP_METRICS`:
-gradient norm, throughput, where the time went, peak memory; one more small collective).
+gradient norm, throughput, where the time went, peak memory; in the same collective).
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainrun.dist import all_reduce, all_reduce_dict, get_dist_info, is_main_process
+from trainrun.dist import all_reduce_dict, get_dist_info, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
@@ -36,6 +36,7 @@ TIMES = ("time", "data_time", "compute_time")  # seconds an iteration: all, wait
 STEP_METRICS = (*TIMES, "samples_per_s", "tokens_per_s", "peak_memory_mb")
 # values that differ from one run to the next, as wall-clock times and memory do
 NOT_REPRODUCIBLE = STEP_METRICS
+COUNTS = "\0step metrics"  # the key of `rank_counts` in the logged values' reduction
 
 
 def _number(value: Any) -> float:
@@ -95,10 +96,10 @@ class LoggerHook(Hook):
         if not self.logs(runner.iter, runner.max_iters):
             return
         # every rank takes part; a copy, so that later hooks see this rank's own outputs
-        values = all_reduce_dict(dict(outputs), op="mean")
-        metrics = step_metrics(runner)
+        values = all_reduce_dict({**outputs, COUNTS: rank_counts(runner)}, op="mean")
         if not is_main_process():
             return
+        metrics = step_metrics(runner, values.pop(COUNTS))
         record = {"step": runner.iter, "epoch": runner.epoch + 1,
                   **{k: _number(v) for k, v in values.items()}, "lr": runner.optim_wrapper.get_lr()}
         timer = runner.timer
@@ -173,25 +174,34 @@ class LoggerHook(Hook):
         self._tracking = False
 
 
-def step_metrics(runner: Any) -> dict[str, float]:
-    """The step metrics of a logged line (every rank calls this: one small collective):
-    the gradient norm of the step (where its optimiser stepped), compute time, samples (and
-    tokens) a second of all ranks over the timer's window, and the largest peak memory of any
-    rank."""
+def rank_counts(runner: Any) -> torch.Tensor:
+    """This rank's part of the step metrics that need the other ranks: its samples and tokens
+    over the timer's window, and its peak memory in a slot of its own (so that a mean over
+    the ranks keeps every rank's). Averaged with the logged values, in the same collective
+    (float32, as a loss is: one flat tensor; each value is reduced on its own, so the loss's
+    bits do not change)."""
+    _, samples, tokens = runner.timer.window_counts()
+    rank, world_size = get_dist_info()
+    counts = torch.zeros(2 + world_size)
+    counts[0], counts[1] = samples, tokens or 0
+    counts[2 + rank] = peak_memory_mb(runner.device)
+    return counts
+
+
+def step_metrics(runner: Any, counts: torch.Tensor) -> dict[str, float]:
+    """The step metrics of a logged line, on rank 0: the gradient norm of the step (where its
+    optimiser stepped), compute time, samples (and tokens) a second of all ranks over the
+    timer's window, and the largest peak memory of any rank; ``counts`` is the mean over the
+    ranks of their `rank_counts`."""
     timer = runner.timer
     out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
-    seconds, samples, tokens = timer.window_counts()
-    # one sum: the counts, and each rank's memory in a slot of its own (a max in a sum)
-    rank, world_size = get_dist_info()
-    summed = torch.zeros(2 + world_size, dtype=torch.float64)
-    summed[0], summed[1] = samples, tokens or 0
-    summed[2 + rank] = peak_memory_mb(runner.device)
-    all_reduce(summed, "sum")
+    seconds, _, tokens = timer.window_counts()
+    summed = (counts.double() * get_dist_info()[1]).tolist()
     out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
-    out["samples_per_s"] = summed[0].item() / seconds if seconds else 0.0
+    out["samples_per_s"] = round(summed[0]) / seconds if seconds else 0.0
     if tokens is not None:
-        out["tokens_per_s"] = summed[1].item() / seconds if seconds else 0.0
-    out["peak_memory_mb"] = summed[2:].max().item()
+        out["tokens_per_s"] = round(summed[1]) / seconds if seconds else 0.0
+    out["peak_memory_mb"] = max(summed[2:])
     return out
 
 
