@@ -106,8 +106,9 @@ class LoggerHook(Hook):
         record.update(time=timer.iter_time, data_time=timer.data_time, **metrics)
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
-        self._track({f"train/{k}": v for k, v in record.items() if k not in ("step", "epoch")},
-                    runner.iter)
+        if self._tracking:
+            self._track({f"train/{k}": v for k, v in record.items()
+                         if k not in ("step", "epoch")}, runner.iter)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self._log(self._train_line(runner, record))
