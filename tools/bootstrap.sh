@@ -58,7 +58,8 @@ install_torch() {
 install_system_packages
 make_venv
 install_torch
-say "pip install -e .[dev,mpi] (deepspeed, mpi4py, pytest, ...)"
-"$VENV/bin/pip" install -q -e ".[dev,mpi]"
+# the trackers' packages (wandb, mlflow-skinny) take about 30 s more; their tests run offline
+say "pip install -e .[dev,mpi,wandb,mlflow] (deepspeed, mpi4py, pytest, trackers, ...)"
+"$VENV/bin/pip" install -q -e ".[dev,mpi,wandb,mlflow]"
 echo "$fingerprint" > "$stamp"
 say "ready: $("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"

@@ -332,8 +332,12 @@ BAD_OVERRIDES = [
     (["randomness.deterministic=1"], "randomness.deterministic: got 1, expected true or false"),
     (["randomness.sed=1"], "unknown key 'randomness.sed'; did you mean 'randomness.seed'?"),
     (["logging.interval=0"], "logging.interval: got 0, expected an int >= 1"),
-    (["logging.backends=[wandb]"], "logging.backends[0]: got 'wandb', expected one of "
-                                   "console, jsonl, tensorboard"),
+    (["logging.backends=[wandbb]"], "logging.backends[0]: got 'wandbb', expected one of "
+                                    "console, jsonl, tensorboard, wandb, mlflow; did you mean "
+                                    "'wandb'?"),
+    (["logging.backends=[console,no_such_module.Tracker]"],
+     "logging.backends[1]: got 'no_such_module.Tracker', expected a tracker class (start, log, "
+     "finish; see trainrun.runner.trackers), importable: No module named 'no_such_module'"),
     (["logging.backends=console"], "logging.backends: got 'console', expected a list of"),
     (["logging.backend=[console]"], "unknown key 'logging.backend'; "
                                     "did you mean 'logging.backends'?"),

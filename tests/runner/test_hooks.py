@@ -14,6 +14,8 @@ import torch
 
 import trainrun.dist as dist
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
+from trainrun.runner.hooks.logger import peak_memory_mb
+from trainrun.runner.hooks.timer import batch_counts
 from trainrun.runner.logging import MetricsFile
 from trainrun.runner.runner import Runner
 
@@ -192,7 +194,8 @@ def _logger_body(base):
     work_dir = Path(base) / f"rank{rank}"
     work_dir.mkdir()
     runner = SimpleNamespace(iter=0, epoch=0, max_iters=5, max_epochs=1, by_epoch=False,
-                             work_dir=work_dir,
+                             work_dir=work_dir, device=torch.device("cpu"), cfg=None,
+                             start_from=None,
                              metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
                              optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
                              timer=IterTimerHook())
@@ -219,7 +222,9 @@ def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
         mean = ((torch.tensor(0.1 * step) + torch.tensor(0.1 * step + 1)) / 2).item()
         assert record["loss"] == mean  # the float32 mean, to the last bit
         assert record["loss_x"] == 1.5 and record["lr"] == 0.125 and record["epoch"] == 1
-        assert {"time", "data_time"} <= set(record)
+        assert {"time", "data_time", "compute_time", "samples_per_s", "peak_memory_mb"} \
+            <= set(record)
+        assert "grad_norm" not in record  # this wrapper measures none
     assert records[-1] == {"step": 5, "mode": "val", "mse": 0.25, "accuracy": 0.5}
 
 
@@ -286,6 +291,37 @@ def test_iter_timer_averages_over_its_window(monkeypatch):
     timer.after_train_iter(None, 1, None, {})  # 3.0: an iteration of 2.0
     assert timer.iter_time == 1.5 and timer.data_time == 0.375
     assert timer.eta_seconds(4) == 6.0
+
+
+@pytest.mark.parametrize(("batch", "counts"), [
+    ({"inputs": torch.zeros(5, 3), "labels": torch.zeros(5)}, (5, None)),
+    ([torch.zeros(()), (torch.zeros(4, 2),)], (4, None)),  # the first with a batch dimension
+    ({"num_tokens": torch.tensor([7, 9]), "x": {"ids": torch.zeros(2, 9)}}, (2, 16)),
+    ({"num_tokens": 100, "x": torch.zeros(3)}, (3, 100)),
+    ("text", (0, None)),
+])
+def test_batch_counts_samples_and_stated_tokens(batch, counts):
+    assert batch_counts(batch) == counts
+
+
+def test_the_timer_window_counts_tokens_only_when_every_batch_states_them():
+    timer = IterTimerHook(window=2)
+    timer.before_train_epoch(None)
+    for batch in ({"x": torch.zeros(2)}, {"x": torch.zeros(3), "num_tokens": 6},
+                  {"x": torch.zeros(4), "num_tokens": 8}):
+        timer.before_train_iter(None, 0, batch)
+        timer.after_train_iter(None, 0, batch, {})
+        seconds, samples, tokens = timer.window_counts()
+    assert (samples, tokens) == (7, 14) and seconds == sum(timer.iter_times)
+    timer.before_train_iter(None, 0, {"x": torch.zeros(1)})
+    assert timer.window_counts()[2] is None
+
+
+def test_peak_memory_on_cpu_is_the_process_peak_rss():
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert peak_memory_mb(torch.device("cpu")) == pytest.approx(peak, rel=0.01)
 
 
 def test_a_metrics_line_cut_short_by_a_kill_is_ended_before_the_next_run_writes(tmp_path):

@@ -14,7 +14,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 import trainrun.dist as dist
 from tests.runner.toy import ToyModel, batch_of, flat_grads, flat_params
-from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
+from trainrun.runner.optim import (
+    OptimWrapper,
+    OptimWrapperDict,
+    build_optimizer,
+    grad_norms,
+    measure_grad_norm,
+)
 from trainrun.wrappers import MMDistributedDataParallel
 
 # ---------------------------------------------------------------- build_optimizer
@@ -201,6 +207,32 @@ def test_clip_grad(clip_grad, norm, scale):
 def test_no_clipping_by_default():
     p, wrapper = _one_param_step({}, [30.0, 40.0, 0.0])
     assert wrapper.grad_norm is None and p.tolist() == [-30.0, -40.0, 0.0]
+
+
+def test_the_grad_norm_is_measured_on_request_on_steps_that_step_only():
+    """What the logger asks for on logged steps: the norm of the gradient the step applies
+    (accumulated: the group's mean), none after a micro-step that only accumulated."""
+    p = nn.Parameter(torch.zeros(2))
+    wrapper = OptimWrapper(torch.optim.SGD([p], lr=1.0), accumulate=2)
+    norms = []
+    for measure in (True, True, False, False):
+        measure_grad_norm(wrapper, measure)
+        wrapper.update_params((p * torch.tensor([6.0, 8.0])).sum())
+        norms.append(grad_norms(wrapper).get("grad_norm"))
+    assert norms[0] is None and norms[1].item() == 10.0 and norms[2:] == [None, None]
+    assert p.tolist() == [-12.0, -16.0]  # measuring changed nothing
+
+
+def test_grad_norms_of_a_dict_of_wrappers_name_each():
+    a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    wrappers = OptimWrapperDict(gen=OptimWrapper(torch.optim.SGD([a], lr=1.0)),
+                                disc=OptimWrapper(torch.optim.SGD([b], lr=1.0), clip_grad=1.0))
+    measure_grad_norm(wrappers, True)
+    wrappers["gen"].update_params(3.0 * a.sum())
+    wrappers["disc"].update_params(-4.0 * b.sum())
+    assert {k: v.item() for k, v in grad_norms(wrappers).items()} == {
+        "grad_norm/gen": 3.0, "grad_norm/disc": 4.0}  # disc's before clipping
+    assert grad_norms(object()) == {}  # a wrapper that measures none
 
 
 # ---------------------------------------------------------------- mixed precision

@@ -71,26 +71,26 @@ def test_save_best_must_name_a_set_and_metrics_a_known_set(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-class _Scalars:
-    """A stand-in for TensorBoard's SummaryWriter (not installed here): the tags it got."""
+class _Tracked:
+    """A stand-in tracker (`trainrun.runner.trackers`): the keys it was given."""
 
     def __init__(self):
         self.tags: list[str] = []
 
-    def add_scalar(self, tag, value, step):
-        self.tags.append(tag)
+    def log(self, values, step):
+        self.tags.extend(values)
 
 
 @pytest.mark.parametrize(("loaders", "metrics", "tags"), [
     (object(), {"mse": 1.0}, ["val/mse"]),
     ({"a": object(), "b": object()}, {"val/a/mse": 1.0, "val/b/mse": 2.0},
      ["val/a/mse", "val/b/mse"])])
-def test_tensorboard_tags_of_one_set_and_of_several(loaders, metrics, tags):
+def test_tracker_tags_of_one_set_and_of_several(loaders, metrics, tags):
     from types import SimpleNamespace
 
     from trainrun.runner.hooks.logger import LoggerHook
 
-    hook = LoggerHook(backends=["tensorboard"], progress_bar=False)
-    hook._tensorboard = _Scalars()
+    hook = LoggerHook(backends=["console"], progress_bar=False)
+    hook.trackers, hook._tracking = [_Tracked()], True  # as before_train leaves them
     hook.after_val(SimpleNamespace(val_dataloader=loaders, iter=3), metrics)
-    assert hook._tensorboard.tags == tags
+    assert hook.trackers[0].tags == tags

@@ -117,6 +117,17 @@ def _losses(work_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _records(work_dir) if "mode" not in r}
 
 
+def _norms(work_dir) -> dict[int, float]:
+    """The logged gradient norms by step (the steps that stepped the optimiser)."""
+    return {r["step"]: r["grad_norm"] for r in _records(work_dir) if "grad_norm" in r}
+
+
+def _same_norms(a: dict[int, float], b: dict[int, float]) -> None:
+    assert sorted(a) == sorted(b)
+    for step, norm in a.items():
+        assert b[step] == pytest.approx(norm, rel=1e-4), step
+
+
 def _shares_master(strategy) -> bool:
     """Whether ZeRO-3's fp32 master partitions are the parameter partitions' memory."""
     zero = strategy.engine.optimizer
@@ -137,11 +148,12 @@ def _equivalence_body(base, stage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
-    """ZeRO 1, 2 and 3 on 2 ranks log ddp's losses (relative 1e-4) at each of 40 steps (ZeRO-3
-    with its fp32 master sharing the parameters' memory), and give back whole weights under
-    the plain keys."""
+    """ZeRO 0 to 3 on 2 ranks log ddp's losses and gradient norms (relative 1e-4; the norm of
+    the whole gradient, measured by the engine under ZeRO, by the wrapper at stage 0) at each
+    of 40 steps (ZeRO-3 with its fp32 master sharing the parameters' memory), and give back
+    whole weights under the plain keys."""
     for wrapped, keys, shape, shared in run_on(2)(_equivalence_body, str(tmp_path), stage):
         assert wrapped
         assert shared  # ZeRO-3 in fp32 keeps no second copy of its partition
@@ -152,6 +164,8 @@ def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
     assert [r["step"] for r in _records(tmp_path / "ds") if r.get("mode") == "val"] == [20, 40]
+    assert sorted(_norms(tmp_path / "ds")) == list(range(1, 41))
+    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "ds"))
 
 
 def _options_body(base, strategy, max_iters, optim, precision):
@@ -184,6 +198,9 @@ def test_accumulation_clipping_and_a_short_last_group_match_ddp(run_on, tmp_path
     assert sorted(ds) == list(range(1, max_iters + 1))
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
+    # norms (before clipping) on the steps that stepped: every third, and the short group's
+    assert sorted(_norms(tmp_path / "ds")) == [*range(3, max_iters, 3), max_iters]
+    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "ds"))
 
 
 @pytest.mark.slow

@@ -68,6 +68,18 @@ def _losses(work_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "mode" not in r]
 
 
+def _norms(work_dir) -> dict[int, float]:
+    """The logged gradient norms by step (the steps that stepped the optimiser)."""
+    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["grad_norm"] for r in map(json.loads, lines) if "grad_norm" in r}
+
+
+def _same_norms(a: dict[int, float], b: dict[int, float]) -> None:
+    assert sorted(a) == sorted(b)
+    for step, norm in a.items():
+        assert b[step] == pytest.approx(norm, rel=1e-4), step
+
+
 def _train_body(work_dir, strategy, max_iters, optim=None):
     runner = _runner(work_dir, strategy, max_iters=max_iters, optim=optim)
     runner.train()
@@ -198,6 +210,9 @@ def test_fsdp_losses_equal_ddp_for_40_steps(run_on, tmp_path):
     assert [s for s, _ in fsdp] == list(range(1, 41))
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
+    # the logged gradient norm (no clipping: measured for the log) is the whole gradient's
+    assert sorted(_norms(tmp_path / "fsdp")) == list(range(1, 41))
+    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "fsdp"))
 
 
 @pytest.mark.parametrize("options", [
@@ -227,6 +242,8 @@ def test_accumulation_and_clipping_match_ddp(run_on, tmp_path):
     assert len(fsdp) == 10
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
+    assert sorted(_norms(tmp_path / "fsdp")) == [2, 4, 6, 8, 10]  # the steps that stepped
+    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "fsdp"))
 
 
 def test_checkpoint_manager_publishes_and_cleans_directories(tmp_path):

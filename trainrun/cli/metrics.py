@@ -8,8 +8,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-# Logged training values that are bookkeeping, not curves worth a panel.
-NOT_CURVES = {"step", "epoch", "mode", "time", "data_time"}
+# Logged values that are the x axis or bookkeeping: every other number is a curve.
+NOT_CURVES = {"step", "epoch", "mode"}
 
 Series = dict[str, list[tuple[int, float]]]  # panel title -> (step, value) points
 

@@ -38,12 +38,14 @@ from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USA
 from trainrun.dist.launch import free_port
 from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
+from trainrun.runner.hooks.logger import NOT_REPRODUCIBLE
 from trainrun.runner.manifest import is_sidecar
 
 EXIT_EXACT, EXIT_DIFFERENT = EXIT_OK, EXIT_FAILED  # this tool's verdicts
 METRICS = "metrics.jsonl"
 POLL_SECONDS = 0.002  # how often the interrupted run's checkpoints/last is looked for
-NOT_COMPARED = ("step", "mode", "time", "data_time")  # wall-clock times differ in every run
+# wall-clock times, throughput and memory differ in every run
+NOT_COMPARED = ("step", "mode", *NOT_REPRODUCIBLE)
 FOLLOWING = 3  # steps shown after the first one that differs
 _STEP_IN_NAME = re.compile(r"(?:^|_)(?:iter|epoch)_(\d+)")
 CAUSES_BEFORE = ("likely causes: unseeded randomness or non-deterministic ops "

@@ -61,7 +61,13 @@ def build_optimizer(params: Any, cfg: dict[str, Any]) -> Optimizer:
 class OptimWrapper:
     """One optimiser with accumulation over ``accumulate`` micro-steps, clipping to
     ``clip_grad`` (a max norm, or ``{'max_norm': ..., 'norm_type': ...}``) and autocast in
-    ``precision`` (fp16 with a gradient scaler)."""
+    ``precision`` (fp16 with a gradient scaler).
+
+    ``grad_norm``: after a micro-step that stepped the optimiser, the total norm of the
+    gradients it applied, before clipping (a tensor), when clipping is on or
+    ``measure_grad_norm`` was set (the logger sets it for the steps it logs: without clipping
+    the norm costs one more pass over the gradients); None after any other micro-step.
+    """
 
     def __init__(self, optimizer: Optimizer, accumulate: int = 1,
                  clip_grad: float | dict[str, float] | None = None, precision: str = "fp32",
@@ -78,6 +84,7 @@ class OptimWrapper:
         self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
         self.micro_steps = 0  # taken since the last optimiser step
         self.grad_norm: Tensor | None = None
+        self.measure_grad_norm = False
         self.iters = 0  # micro-steps taken in all, once `set_total` has been called
         self.max_iters: int | None = None
 
@@ -105,6 +112,7 @@ class OptimWrapper:
 
     def update_params(self, loss: Tensor) -> None:
         """Backward ``loss``; step and zero the gradients once ``accumulate`` micro-steps are in."""
+        self.grad_norm = None
         group = self.group_size()
         if group > 1:
             loss = loss / group
@@ -124,10 +132,13 @@ class OptimWrapper:
     def step(self) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.clip_grad:
+        if self.clip_grad or self.measure_grad_norm:
             params = [p for group in self.optimizer.param_groups for p in group["params"]
                       if p.grad is not None]
-            self.grad_norm = nn.utils.clip_grad_norm_(params, **self.clip_grad)
+            if self.clip_grad:  # it returns the norm before clipping
+                self.grad_norm = nn.utils.clip_grad_norm_(params, **self.clip_grad)
+            else:
+                self.grad_norm = nn.utils.get_total_norm([p.grad for p in params])
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -195,6 +206,23 @@ class _OptimContext:
     def __exit__(self, *exc_info: Any) -> bool:
         stack, self._stack = self._stack, None
         return bool(stack is not None and stack.__exit__(*exc_info))
+
+
+def measure_grad_norm(wrapper: Any, on: bool) -> None:
+    """Ask ``wrapper`` (or each of a dict of them) for the gradient norm of its next step,
+    where it takes the request (`OptimWrapper`); others say their norm or none."""
+    for one in wrapper.values() if isinstance(wrapper, Mapping) else (wrapper,):
+        if hasattr(one, "measure_grad_norm"):
+            one.measure_grad_norm = on
+
+
+def grad_norms(wrapper: Any) -> dict[str, Tensor]:
+    """The gradient norms the last micro-step's optimiser steps took: ``grad_norm`` of one
+    wrapper, ``grad_norm/<name>`` of each of a dict; nothing where none was taken."""
+    wrappers = {f"grad_norm/{k}": v for k, v in wrapper.items()} \
+        if isinstance(wrapper, Mapping) else {"grad_norm": wrapper}
+    norms = {key: getattr(one, "grad_norm", None) for key, one in wrappers.items()}
+    return {key: norm for key, norm in norms.items() if norm is not None}
 
 
 class OptimWrapperDict(dict):

@@ -398,7 +398,11 @@ class DeepSpeedOptimWrapper:
         self.engine = engine
         self.optimizer = optimizer
         self.precision = precision
+        # the global norm, before clipping, of the step the last micro-step took (None if it
+        # took none); the engine's own, measured here where it keeps none (ZeRO stage 0 in
+        # fp32 without clipping) when the logger asks through `measure_grad_norm`
         self.grad_norm: Tensor | None = None
+        self.measure_grad_norm = False
         self.done = self.tail = self.tail_from = 0  # micro-steps: done, in the short last group
 
     def set_total(self, done_iters: int, max_iters: int) -> None:
@@ -423,6 +427,7 @@ class DeepSpeedOptimWrapper:
         return _autocast(self.precision, self.engine.device.type)
 
     def update_params(self, loss: Tensor) -> None:
+        stepping = self.will_step
         self.done += 1
         with phase("backward"):
             if self._in_tail(self.done):  # mean over the short group's micro-steps
@@ -431,10 +436,19 @@ class DeepSpeedOptimWrapper:
                 self.engine.backward(loss / self.tail, scale_wrt_gas=False)
             else:
                 self.engine.backward(loss)
+        own = self._own_norm() if stepping and self.measure_grad_norm else None
         with phase("optimizer step"):
             self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        self.grad_norm = None if norm is None else torch.as_tensor(norm)
+        norm = self.engine.get_global_grad_norm() if stepping else None
+        self.grad_norm = own if norm is None else torch.as_tensor(norm)
+
+    def _own_norm(self) -> Tensor | None:
+        """The norm of the whole gradients, where every rank holds them (stage 0, reduced in
+        backward at the step's boundary); None under ZeRO, whose engine measures it."""
+        if self.engine.zero_optimization_stage() != 0:
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return nn.utils.get_total_norm(grads) if grads else None
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

@@ -1,30 +1,55 @@
-"""Training and validation numbers to the console, metrics.jsonl and TensorBoard.
+"""Training and validation numbers to the console, metrics.jsonl and the trackers.
 
 Every ``interval`` iterations the logged values are averaged over the ranks (one small
-collective on every rank) and rank 0 writes them. On a terminal rank 0 also shows a progress
-bar with loss, throughput and ETA; headless (cluster logs) it prints plain lines instead.
+collective on every rank) and rank 0 writes them, with the step metrics (`STEP_METRICS`:
+gradient norm, throughput, where the time went, peak memory; in the same collective).
+On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
+(cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
+console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
+or one of yours by import path), which only rank 0 makes.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib.util
+import resource
 import sys
 import time
+from functools import partial
 from typing import Any
 
-from trainrun.dist import all_reduce_dict, is_main_process
+import torch
+
+from trainrun.dist import all_reduce_dict, get_dist_info, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
-from trainrun.runner.schema import choice, fields, integer, names
+from trainrun.runner.optim import grad_norms, measure_grad_norm
+from trainrun.runner.schema import expects, fields, integer, names
+from trainrun.runner.trackers import BUILT_IN, check_backend, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
-BACKENDS = ("console", "jsonl")  # where they go by default
-LOG_BACKENDS = ("console", "jsonl", "tensorboard")
+BACKENDS = ("console", "jsonl")  # where they go by default; the logger's own outputs
+# What every logged training line adds to the model's values and lr (see the README's
+# "Trackers and step metrics"): grad_norm (grad_norm/<name> per optimiser of a dict), and:
+TIMES = ("time", "data_time", "compute_time")  # seconds an iteration: all, waiting for data, rest
+STEP_METRICS = (*TIMES, "samples_per_s", "tokens_per_s", "peak_memory_mb")
+# values that differ from one run to the next, as wall-clock times and memory do
+NOT_REPRODUCIBLE = STEP_METRICS
+COUNTS = "\0step metrics"  # the key of `rank_counts` in the logged values' reduction
 
 
 def _number(value: Any) -> float:
     return value.item() if hasattr(value, "item") else float(value)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory in MiB: CUDA's most allocated on a GPU, the peak resident
+    set size (RSS) of the process otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB; bytes on macOS
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 class LoggerHook(Hook):
@@ -37,52 +62,61 @@ class LoggerHook(Hook):
         show_bar = sys.stderr.isatty() if progress_bar is None else progress_bar
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
         self._bar = None
-        self._tensorboard = None
+        self.trackers = make_trackers(self.backends) if is_main_process() else []
+        self._tracking = False  # the trackers are started (training, rank 0)
         self._started: tuple[float, int] | None = None  # (clock, step) when training began
         self._last_val: dict[str, float] = {}
 
     def before_train(self, runner: Any) -> None:
         self._started = (time.monotonic(), runner.iter)
-        if "tensorboard" in self.backends and is_main_process():
-            self._tensorboard = self._open_tensorboard(runner)
+        if self.trackers:
+            config, resume = tracker_config(runner), resuming(runner)
+            for tracker in self.trackers:
+                tracker.start(runner.work_dir, config, resume)
+            self._tracking = True
         if self.progress_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=runner.max_iters, initial=runner.iter, unit="it",
                              dynamic_ncols=True, file=sys.stderr)
 
-    def _open_tensorboard(self, runner: Any) -> Any:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            get_logger().warning("logging.backends has tensorboard but it is not installed "
-                                 "(pip install tensorboard); skipping it")
-            return None
-        return SummaryWriter(log_dir=str(runner.work_dir / "tensorboard"))
+    def logs(self, step: int, max_iters: int) -> bool:
+        """Whether training step ``step`` (counting from 1) gets a logged line."""
+        return every(step, self.interval) or step == max_iters
+
+    def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
+        # the gradient norm, on the steps logged only: without clipping it costs a pass over
+        # the gradients
+        measure_grad_norm(runner.optim_wrapper, self.logs(runner.iter + 1, runner.max_iters))
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
         if self._bar is not None:
             self._bar.update(1)
-        if not (every(runner.iter, self.interval) or runner.iter == runner.max_iters):
+        if not self.logs(runner.iter, runner.max_iters):
             return
         # every rank takes part; a copy, so that later hooks see this rank's own outputs
-        values = all_reduce_dict(dict(outputs), op="mean")
+        values = all_reduce_dict({**outputs, COUNTS: rank_counts(runner)}, op="mean")
         if not is_main_process():
             return
+        metrics = step_metrics(runner, values.pop(COUNTS))
         record = {"step": runner.iter, "epoch": runner.epoch + 1,
                   **{k: _number(v) for k, v in values.items()}, "lr": runner.optim_wrapper.get_lr()}
         timer = runner.timer
-        record.update(time=timer.iter_time, data_time=timer.data_time)
+        record.update(time=timer.iter_time, data_time=timer.data_time, **metrics)
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("step", "epoch"):
-                    self._tensorboard.add_scalar(f"train/{key}", value, runner.iter)
+        if self._tracking:
+            self._track({f"train/{k}": v for k, v in record.items()
+                         if k not in ("step", "epoch")}, runner.iter)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self._log(self._train_line(runner, record))
+
+    def _track(self, values: dict[str, float], step: int) -> None:
+        """To every tracker, while training (a validation run alone tracks nothing)."""
+        for tracker in self.trackers if self._tracking else ():
+            tracker.log(values, step)
 
     def _log(self, message: str) -> None:
         """To train.log always; to the console when it is a backend and no progress bar is
@@ -96,7 +130,8 @@ class LoggerHook(Hook):
         eta = datetime.timedelta(seconds=round(runner.timer.eta_seconds(runner.max_iters
                                                                          - runner.iter)))
         values = "  ".join(f"{k} {v:.6g}" for k, v in record.items()
-                           if k not in ("step", "epoch", "lr", "time", "data_time"))
+                           if k not in ("step", "epoch", "lr", *STEP_METRICS)
+                           and not k.startswith("grad_norm"))
         epochs = f"epoch {record['epoch']}/{runner.max_epochs}  " if runner.by_epoch else ""
         return (f"{epochs}step {runner.iter}/{runner.max_iters}  {values}  "
                 f"lr {record['lr']:.3e}  {record['time']:.3f} s/it  eta {eta}")
@@ -108,11 +143,9 @@ class LoggerHook(Hook):
         record = {"step": runner.iter, "mode": "val", **metrics}
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
-        if self._tensorboard is not None:
-            several = isinstance(runner.val_dataloader, dict)  # keys: val/<set>/<metric>
-            for key, value in metrics.items():
-                self._tensorboard.add_scalar(key if several else f"val/{key}", value,
-                                             runner.iter)
+        several = isinstance(runner.val_dataloader, dict)  # keys: val/<set>/<metric> already
+        self._track(dict(metrics) if several else {f"val/{k}": v for k, v in metrics.items()},
+                    runner.iter)
         text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         self._log(f"validation at step {runner.iter}: {text}")
 
@@ -139,17 +172,68 @@ class LoggerHook(Hook):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        for tracker in self.trackers if self._tracking else ():
+            tracker.finish()
+        self._tracking = False
+
+
+def rank_counts(runner: Any) -> torch.Tensor:
+    """This rank's part of the step metrics that need the other ranks: its samples and tokens
+    over the timer's window, and its peak memory in a slot of its own (so that a mean over
+    the ranks keeps every rank's). Averaged with the logged values, in the same collective
+    (float32, as a loss is: one flat tensor; each value is reduced on its own, so the loss's
+    bits do not change)."""
+    _, samples, tokens = runner.timer.window_counts()
+    rank, world_size = get_dist_info()
+    counts = torch.zeros(2 + world_size)
+    counts[0], counts[1] = samples, tokens or 0
+    counts[2 + rank] = peak_memory_mb(runner.device)
+    return counts
+
+
+def step_metrics(runner: Any, counts: torch.Tensor) -> dict[str, float]:
+    """The step metrics of a logged line, on rank 0: the gradient norm of the step (where its
+    optimiser stepped), compute time, samples (and tokens) a second of all ranks over the
+    timer's window, and the largest peak memory of any rank; ``counts`` is the mean over the
+    ranks of their `rank_counts`."""
+    timer = runner.timer
+    out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
+    seconds, _, tokens = timer.window_counts()
+    summed = (counts.double() * get_dist_info()[1]).tolist()
+    out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
+    out["samples_per_s"] = round(summed[0]) / seconds if seconds else 0.0
+    if tokens is not None:
+        out["tokens_per_s"] = round(summed[1]) / seconds if seconds else 0.0
+    out["peak_memory_mb"] = max(summed[2:])
+    return out
+
+
+def tracker_config(runner: Any) -> dict[str, Any]:
+    """The run's resolved config as plain containers, as trackers log it (empty for a runner
+    built from objects)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(runner.cfg, DictConfig):
+        return OmegaConf.to_container(runner.cfg, resolve=True)  # type: ignore[return-value]
+    return dict(runner.cfg) if runner.cfg is not None else {}
+
+
+def resuming(runner: Any) -> bool:
+    start = getattr(runner, "start_from", None)
+    return start is not None and start[0] == "resume"
+
+
+BACKEND = expects(f"one of {', '.join((*BACKENDS, *BUILT_IN))} or a tracker class by import "
+                  f"path", partial(check_backend, own=BACKENDS))
 
 
 def check_logging(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
-    """The ``logging`` section; tensorboard is dropped with a warning where it is not
-    installed."""
+    """The ``logging`` section: each backend is one of the logger's own outputs, a shipped
+    tracker (wandb and mlflow must be installed; tensorboard is dropped with a warning where
+    it is not) or a tracker class by import path."""
     out = fields(key, value, {
         "interval": (INTERVAL, integer(1)),
-        "backends": (list(BACKENDS), names(choice(*LOG_BACKENDS))),
+        "backends": (list(BACKENDS), names(BACKEND)),
     })
     if "tensorboard" in out["backends"] and importlib.util.find_spec("tensorboard") is None:
         out["backends"].remove("tensorboard")

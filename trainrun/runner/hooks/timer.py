@@ -1,22 +1,49 @@
-"""Seconds per iteration and waiting for data, for the log and the ETA."""
+"""Seconds per iteration, waiting for data and samples per iteration, for the log and the ETA."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
+
+from torch import Tensor
 
 from trainrun.runner.hooks.base import TIMER, Hook
 
+TOKENS = "num_tokens"  # the key of a dict batch that states how many tokens it holds
+
+
+def batch_counts(batch: Any) -> tuple[int, int | None]:
+    """How many samples a batch holds (the length of its first tensor with a batch dimension,
+    searched depth first) and how many tokens: where it is a dict holding `TOKENS`, a number,
+    or one per sample (what collating a per-sample count makes), summed; else None."""
+    tokens = batch.get(TOKENS) if isinstance(batch, Mapping) else None
+    if tokens is not None:
+        tokens = int(tokens.sum()) if isinstance(tokens, Tensor) else int(tokens)
+    todo = [batch]
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, Tensor) and item.dim() > 0:
+            return len(item), tokens
+        if isinstance(item, Mapping):
+            todo[:0] = [v for k, v in item.items() if k != TOKENS]
+        elif isinstance(item, (list, tuple)):
+            todo[:0] = list(item)
+    return 0, tokens
+
 
 class IterTimerHook(Hook):
-    """Keeps the mean iteration and data times over the last ``window`` iterations."""
+    """Keeps the iteration and data times, and the samples (and tokens) of this rank's
+    batches, over the last ``window`` iterations."""
 
     priority = TIMER  # see hooks/base.py for the order
 
     def __init__(self, window: int = 50):
         self.iter_times: deque[float] = deque(maxlen=window)
         self.data_times: deque[float] = deque(maxlen=window)
+        self.samples: deque[int] = deque(maxlen=window)
+        self.tokens: deque[int | None] = deque(maxlen=window)
         self._last = 0.0
 
     def before_train_epoch(self, runner: Any) -> None:
@@ -24,6 +51,9 @@ class IterTimerHook(Hook):
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
         self.data_times.append(time.perf_counter() - self._last)
+        samples, tokens = batch_counts(batch)
+        self.samples.append(samples)
+        self.tokens.append(tokens)
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
@@ -41,6 +71,13 @@ class IterTimerHook(Hook):
     @property
     def data_time(self) -> float:
         return sum(self.data_times) / len(self.data_times) if self.data_times else 0.0
+
+    def window_counts(self) -> tuple[float, int, int | None]:
+        """Over the window: the seconds its iterations took, their samples, and their tokens
+        (None unless every batch in it stated its tokens)."""
+        tokens = None if not self.tokens or None in self.tokens \
+            else sum(self.tokens)  # type: ignore[arg-type]
+        return sum(self.iter_times), sum(self.samples), tokens
 
     def eta_seconds(self, remaining_iters: int) -> float:
         return self.iter_time * remaining_iters

@@ -1,0 +1,237 @@
+"""Trackers: where a run's numbers go besides the console and ``metrics.jsonl``.
+
+A tracker is any class with these three methods (subclassing `Tracker` is optional); rank 0
+makes one of each listed in ``logging.backends``, without arguments, and calls:
+
+``start(run_dir, config, resume)``
+    once, before the first training step: the run directory (a `Path` that exists), the
+    resolved config as plain dicts and lists (empty for a runner built from objects), and
+    whether the run resumes from a checkpoint.
+``log(values, step)``
+    at every logged line: ``{"train/loss": ..., "train/lr": ..., ...}`` for a training line,
+    ``{"val/accuracy": ...}`` for a validation one; ``step`` is the global iteration.
+``finish()``
+    once, when training ends.
+
+The shipped ones are ``tensorboard``, ``wandb`` and ``mlflow``; ``logging.backends`` takes any
+other by import path (``my_project.trackers.MyTracker``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainrun.runner.files import write_atomically
+from trainrun.runner.logging import get_logger
+from trainrun.runner.schema import ConfigError, bad_value, choice
+
+METHODS = ("start", "log", "finish")  # the interface
+
+
+class Tracker:
+    """The interface of a tracker; the methods say what each call brings (see the module)."""
+
+    def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+        """Open the tracker's run (its files under ``run_dir``, ``config`` as its parameters)."""
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        """Record ``values`` at ``step``."""
+
+    def finish(self) -> None:
+        """Close the tracker's run."""
+
+
+def _stored_id(path: Path, resume: bool) -> str | None:
+    """The tracker run id a resumed run continues (kept in the run directory), else None."""
+    if resume and path.is_file():
+        return path.read_text(encoding="utf-8").strip() or None
+    return None
+
+
+class TensorBoardTracker(Tracker):
+    """Scalars under ``<run_dir>/tensorboard``, tagged ``train/<name>`` and ``val/<name>``."""
+
+    def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    """A Weights & Biases run with its files under ``<run_dir>/wandb``, the config as its
+    config. Offline unless ``WANDB_MODE`` says otherwise (``wandb sync`` uploads it later);
+    project ``WANDB_PROJECT`` or ``trainrun``; named after the config's ``name``. A resumed
+    run continues the same W&B run (its id is kept in ``<run_dir>/wandb_run_id``)."""
+
+    ID_FILE = "wandb_run_id"
+
+    def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+        import wandb
+
+        run_id = _stored_id(run_dir / self.ID_FILE, resume) or uuid.uuid4().hex[:12]
+        write_atomically(run_dir / self.ID_FILE, run_id + "\n")
+        self.run = wandb.init(
+            dir=str(run_dir), config=config, id=run_id, resume="allow",
+            name=config.get("name") or run_dir.name,
+            project=os.environ.get("WANDB_PROJECT") or "trainrun",
+            mode=os.environ.get("WANDB_MODE") or "offline",
+            settings=wandb.Settings(console="off"))  # our console stays ours
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class MLflowTracker(Tracker):
+    """An MLflow run in the file store ``<run_dir>/mlruns`` (or at ``MLFLOW_TRACKING_URI``),
+    experiment ``MLFLOW_EXPERIMENT_NAME`` or the config's ``name``; the config, flattened to
+    dotted keys, as its parameters (values cut to MLflow's limit). A resumed run continues the
+    same MLflow run (its id is kept in ``<run_dir>/mlflow_run_id``); a parameter the resumed
+    config changed keeps its first value (MLflow refuses changing one), with a warning."""
+
+    ID_FILE = "mlflow_run_id"
+
+    def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:  # MLflow 3 keeps the file store only on request
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (run_dir / "mlruns").absolute().as_uri()
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or config.get("name") or "trainrun"
+        found = self.client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found else self.client.create_experiment(name)
+        run_id = _stored_id(run_dir / self.ID_FILE, resume)
+        if run_id is None:
+            run_id = self.client.create_run(experiment, run_name=name).info.run_id
+            write_atomically(run_dir / self.ID_FILE, run_id + "\n")
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        self._log_params(params(config))
+
+    def _log_params(self, values: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        logged = self.client.get_run(self.run_id).data.params
+        changed = sorted(k for k, v in values.items() if k in logged and logged[k] != v)
+        if changed:
+            get_logger().warning("mlflow: the resumed run keeps its first value of %s "
+                                 "(MLflow refuses changing a parameter)", ", ".join(changed))
+        new = [Param(k, v) for k, v in values.items() if k not in logged]
+        for at in range(0, len(new), 100):  # MLflow takes 100 parameters a call
+            self.client.log_batch(self.run_id, params=new[at:at + 100])
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, float(value), now, step)
+                                                    for key, value in values.items()])
+
+    def finish(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``config`` flattened to MLflow parameters: dotted keys (characters MLflow refuses
+    replaced by ``_``), values as text (lists and null as JSON), each cut to MLflow's limit."""
+    try:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
+    except ImportError:
+        limit = 500  # the oldest MLflow's
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = prefix + re.sub(r"[^\w\-. /:]", "_", str(key))
+        if isinstance(value, Mapping) and value:
+            out.update(params(value, name + "."))
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        out[name] = text[:limit]
+    return out
+
+
+# ---------------------------------------------------------------- by name
+
+BUILT_IN: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
+                             "mlflow": MLflowTracker}
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # they need
+
+
+def tracker_class(name: str) -> type:
+    """The class of a shipped tracker by name, or of one by import path."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    module, _, attribute = name.rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def missing_package(name: str) -> str | None:
+    """The package a shipped tracker needs when it is not installed, else None."""
+    package = PACKAGES.get(name)
+    return package if package and importlib.util.find_spec(package) is None else None
+
+
+def check_import_path(key: str, value: str) -> str:
+    """A tracker by import path: importable, a class with `METHODS`, made without arguments."""
+    expected = f"a tracker class ({', '.join(METHODS)}; see trainrun.runner.trackers)"
+    try:
+        found = tracker_class(value)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise bad_value(key, value, f"{expected}, importable: {error}") from None
+    except Exception as error:  # the module itself failed as it was imported
+        raise bad_value(key, value, f"{expected}, importable: importing it raised "
+                                    f"{type(error).__name__}: {error}") from None
+    if not inspect.isclass(found):
+        raise bad_value(key, value, f"{expected}; it is a {type(found).__name__}")
+    missing = [m for m in METHODS if not callable(getattr(found, m, None))]
+    if missing:
+        raise bad_value(key, value, f"{expected}; it has no {', '.join(missing)}")
+    try:
+        inspect.signature(found).bind()
+    except TypeError:
+        raise bad_value(key, value, f"{expected}, made without arguments; its constructor "
+                                    f"needs some") from None
+    except ValueError:  # no signature to read (a class in C): let it be
+        pass
+    return value
+
+
+def check_backend(key: str, value: Any, own: tuple[str, ...]) -> str:
+    """One ``logging.backends`` entry: one of ``own`` (the logger's own outputs) or of the
+    shipped trackers (installed), or a tracker class by import path."""
+    known = (*own, *BUILT_IN)
+    if isinstance(value, str) and "." in value:
+        return check_import_path(key, value)
+    name = choice(*known)(key, value)
+    package = missing_package(name)
+    if package is not None and name != "tensorboard":  # tensorboard: skipped with a warning
+        raise ConfigError(f"{key}: got {name!r}, but {package} is not installed; "
+                          f"pip install trainrun[{name}]")
+    return name
+
+
+def make_trackers(backends: list[str]) -> list[Any]:
+    """A tracker for every entry of ``backends`` that names one (checked by `check_backend`)."""
+    return [tracker_class(name)() for name in backends
+            if name in BUILT_IN or "." in name]
