@@ -4,7 +4,6 @@ checkpoint files refused by every loading path of the runner."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import threading
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import trainrun.dist as dist
+from tests.records import loss_list
 from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import CrashAfter, Killed, ToyModel, rehash, write_crafted_checkpoint
 from trainrun.runner import checkpoint as checkpoint_module
@@ -228,10 +228,6 @@ class CrashingSave(DDPStrategy):
         super().save_checkpoint(path, model, optimizer, extra)
 
 
-def _train_losses(work_dir) -> list[tuple[int, float]]:
-    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "mode" not in r]
-
 
 def _crash_then_resume_body(straight_dir, work_dir):
     runner = _runner(straight_dir)
@@ -259,10 +255,10 @@ def test_resume_after_a_crash_during_a_save_uses_the_previous_checkpoint(run_on,
     results = run_on(world_size)(_crash_then_resume_body, str(straight), str(work_dir))
     assert results[0][0] == [".tmp-iter_4.pth", *hashed("iter_2.pth"), "last"]
     assert [r[1] for r in results] == [6] * world_size
-    logged = _train_losses(work_dir)
+    logged = loss_list(work_dir)
     # first run: steps 1..4 (it died saving after step 4); resumed: steps 3..6 from iter_2
     assert [step for step, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6]
-    assert logged[4:] == _train_losses(straight)[2:]  # the very losses of an unbroken run
+    assert logged[4:] == loss_list(straight)[2:]  # the very losses of an unbroken run
     checkpoints = work_dir / "checkpoints"
     assert listing(checkpoints) == [*hashed("iter_2.pth", "iter_4.pth", "iter_6.pth"), "last"]
     assert last_names(checkpoints) == "iter_6.pth"
@@ -287,10 +283,10 @@ def check_resumed(run_on_ranks, tmp_path, interval, crash_after, max_iters, **op
     straight, work_dir = tmp_path / "straight", tmp_path / "resumed"
     options = {"interval": interval, "max_iters": max_iters, **options}
     run_on_ranks(_crash_resume_body, str(straight), str(work_dir), crash_after, options)
-    logged = _train_losses(work_dir)
+    logged = loss_list(work_dir)
     steps = list(range(1, crash_after + 1)) + list(range(interval + 1, max_iters + 1))
     assert [step for step, _ in logged] == steps
-    assert logged[crash_after:] == _train_losses(straight)[interval:]  # bit for bit
+    assert logged[crash_after:] == loss_list(straight)[interval:]  # bit for bit
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -380,7 +376,7 @@ def test_a_background_save_is_published_only_when_written(run_on, tmp_path, worl
     assert listing(checkpoints) == [*hashed("iter_2.pth", "iter_4.pth", "iter_6.pth",
                                             "iter_8.pth"), "last"]
     assert last_names(checkpoints) == "iter_8.pth"  # the end waits for the last write
-    assert [step for step, _ in _train_losses(tmp_path)] == list(range(1, 9))
+    assert [step for step, _ in loss_list(tmp_path)] == list(range(1, 9))
     state = load_state_file(str(checkpoints / "iter_2.pth"))
     assert state["meta"]["iter"] == 2  # the snapshot of step 2, not a later one
 
@@ -410,8 +406,8 @@ def test_background_saves_resume_exactly(run_on, tmp_path, strategy):
     straight, work_dir = tmp_path / "straight", tmp_path / "resumed"
     resumed_at = run_on(2)(_background_resume_body, str(straight), str(work_dir), strategy)
     assert resumed_at[0] == resumed_at[1] and resumed_at[0] in (2, 4, 6)
-    expected = dict(_train_losses(straight))
-    logged = _train_losses(work_dir)
+    expected = dict(loss_list(straight))
+    logged = loss_list(work_dir)
     assert [step for step, _ in logged] == [*range(1, 8), *range(resumed_at[0] + 1, 11)]
     for step, loss in logged:
         assert loss == expected[step], step
@@ -449,7 +445,7 @@ def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path
     runner = _runner(work_dir)
     runner.train()
     runner.close()
-    straight = _train_losses(work_dir)
+    straight = loss_list(work_dir)
     flip_byte(checkpoints / "iter_6.pth")
     (checkpoints / "iter_4.pth.sha256").unlink()  # as written before checkpoints were hashed
     capfd.readouterr()
@@ -461,7 +457,7 @@ def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path
     assert f"resume: skipped: {checkpoints / 'iter_6.pth'} is damaged: iter_6.pth: sha256 " \
            "mismatch (against iter_6.pth.sha256)" in err
     assert f"{checkpoints / 'iter_4.pth'} has no manifest of hashes" in err
-    assert _train_losses(work_dir)[6:] == straight[4:]  # steps 5 and 6, bit for bit
+    assert loss_list(work_dir)[6:] == straight[4:]  # steps 5 and 6, bit for bit
 
     rehash(checkpoints / "iter_4.pth")
     for name in ("iter_6.pth", "iter_4.pth", "iter_2.pth"):  # iter_6 saved again since

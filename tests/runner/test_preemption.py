@@ -3,13 +3,12 @@ with a checkpoint from which the run resumes exactly; handlers are put back afte
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
+from tests.records import loss_list
 from trainrun.runner.preemption import (
     Preempted,
     StopRequest,
@@ -47,10 +46,6 @@ class SignalAt:
         if runner.iter == self.step and runner.rank == self.rank:
             os.kill(os.getpid(), self.signum)
 
-
-def _losses(work_dir) -> list[tuple[int, float]]:
-    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "mode" not in r]
 
 
 def _preempted_body(straight, work_dir, signum, rank, background):
@@ -92,7 +87,7 @@ def test_a_signal_stops_every_rank_after_the_same_step_and_resumes_exactly(
     assert sorted(p.name for p in checkpoints.iterdir()) == sorted([  # max_keep 3
         *(f"iter_{step}.pth{hashes}" for step in (10, 12, stop) for hashes in ("", ".sha256")),
         "last"])
-    logged, expected = _losses(work_dir), dict(_losses(straight))
+    logged, expected = loss_list(work_dir), dict(loss_list(straight))
     assert [step for step, _ in logged] == [*range(1, stop + 1), *range(stop + 1, 13)]
     assert all(loss == expected[step] for step, loss in logged)  # bit for bit
 

@@ -3,13 +3,13 @@ checkpoints, exact resume, seeds and evaluation."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 import trainrun.dist as dist
+from tests.records import loss_list, records
 from tests.runner.toy import CrashAfter, Killed
 from trainrun.runner.hooks import Hook
 from trainrun.runner.runner import Runner
@@ -35,13 +35,6 @@ def _runner(work_dir, *, max_epochs=None, max_iters=None, checkpoint=None, resum
     )
 
 
-def _records(work_dir) -> list[dict]:
-    path = Path(work_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _train_losses(work_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in _records(work_dir) if "mode" not in r]
 
 
 def _single_run_body(work_dir):
@@ -53,12 +46,12 @@ def _single_run_body(work_dir):
 
 def test_run_directory_and_metrics(run_on, tmp_path):
     run_on(1)(_single_run_body, str(tmp_path))
-    records = _records(tmp_path)
-    train = [r for r in records if "mode" not in r]
+    logged = records(tmp_path)
+    train = [r for r in logged if "mode" not in r]
     assert [r["step"] for r in train] == list(range(1, 33))  # 64 samples / 4 per step x 2 epochs
     assert {r["epoch"] for r in train} == {1, 2}
     assert all(isinstance(r["loss"], float) and isinstance(r["lr"], float) for r in train)
-    val = [r for r in records if r.get("mode") == "val"]
+    val = [r for r in logged if r.get("mode") == "val"]
     assert [r["step"] for r in val] == [16, 32] and all("mse" in r for r in val)
     assert (tmp_path / "train.log").read_text().count("validation at step") == 2
     checkpoints = tmp_path / "checkpoints"
@@ -89,14 +82,14 @@ def test_resume_mid_epoch_gives_bit_identical_losses(run_on, tmp_path, world_siz
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_on(world_size)(_straight_body, str(straight))
     run_on(world_size)(_resume_body, str(resumed), 13, {"interval": 5})
-    expected = dict(_train_losses(straight))
-    logged = _train_losses(resumed)
+    expected = dict(loss_list(straight))
+    logged = loss_list(resumed)
     after_resume = [(step, loss) for step, loss in logged[13:]]
     assert [step for step, _ in after_resume] == list(range(11, 25))
     for step, loss in after_resume:
         assert loss == expected[step], (step, loss, expected[step])
-    val_straight = [r for r in _records(straight) if r.get("mode") == "val"]
-    val_resumed = [r for r in _records(resumed) if r.get("mode") == "val"]
+    val_straight = [r for r in records(straight) if r.get("mode") == "val"]
+    val_resumed = [r for r in records(resumed) if r.get("mode") == "val"]
     assert val_resumed[-1] == val_straight[-1]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tools.test_train_cli import REPO, TRAIN, env, run, torchrun, train_records
+from tests.records import losses
+from tests.tools.test_train_cli import REPO, TRAIN, env, run, torchrun
 from trainrun.cli.train import main as train_main
 
 DIGITS = REPO / "configs" / "digits_ddp.yaml"
@@ -83,9 +84,6 @@ def test_the_dry_run_shows_what_is_compiled(capsys, clean_env):
     assert _compile_rows(capsys.readouterr().out) == ["no"]
 
 
-def _losses(work_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in train_records(work_dir)}
-
 
 def _close(straight: dict[int, float], compiled: dict[int, float], steps: int) -> None:
     assert sorted(straight) == sorted(compiled) == list(range(1, steps + 1))
@@ -116,7 +114,7 @@ def test_compiled_digits_logs_the_losses_of_the_uncompiled_run(digits_runs):
     assert "compile: model (DigitsMLP) is compiled at its first call (backend=inductor, " \
            "mode=default, fullgraph=False, dynamic=None)" in log
     assert "compile:" not in (digits_runs / "plain" / "train.log").read_text()
-    _close(_losses(digits_runs / "plain"), _losses(digits_runs / "compiled"), STEPS)
+    _close(losses(digits_runs / "plain"), losses(digits_runs / "compiled"), STEPS)
 
 
 @pytest.mark.slow
@@ -158,4 +156,4 @@ def test_tinylm_under_fsdp_compiled_per_block_logs_the_uncompiled_losses(tmp_pat
     assert [line.split(" INFO ")[1].split(" is ")[0] for line in log.splitlines()
             if " INFO compile: " in line] == ["compile: model.blocks.0 (Block)",
                                               "compile: model.blocks.1 (Block)"]
-    _close(_losses(tmp_path / "plain"), _losses(tmp_path / "compiled"), steps)
+    _close(losses(tmp_path / "plain"), losses(tmp_path / "compiled"), steps)

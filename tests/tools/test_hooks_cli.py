@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.records import train_records
 from tests.tools.test_train_cli import (
     CONFIG,
     _kill_tree,
     env,
     run,
     torchrun,
-    train_records,
     val_records,
 )
 from trainrun.cli.train import main as train_main

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.records import train_records
 from tests.slurm_cluster import client_env
-from tests.tools.test_train_cli import CONFIG, REPO, env, run, train_records
+from tests.tools.test_train_cli import CONFIG, REPO, env, run
 from trainrun.cli.processes import descendants
 from trainrun.cli.sweep import local, parser, prepare
 from trainrun.cli.sweep import main as sweep_main

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.records import train_records
 from tests.runner.test_manifest import flip_byte
 from trainrun.cli.processes import descendants
 from trainrun.dist.launch import free_port
@@ -43,10 +44,6 @@ def torchrun(*args: str) -> list[str]:
 def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
 
-
-def train_records(work_dir: Path) -> list[dict]:
-    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "mode" not in r]
 
 
 def val_records(work_dir: Path) -> list[dict]:

@@ -6,14 +6,13 @@ tests/tools/test_compile_cli.py.)"""
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.records import losses
 from tests.runner.toy import CrashAfter, Killed
 from trainrun.examples.digits import DigitsMLP
 from trainrun.examples.gan import ToyGAN
@@ -33,10 +32,6 @@ logging: {interval: 1, backends: [jsonl]}
 checkpoint: {interval: 4}
 """
 
-
-def _losses(work_dir: Path) -> dict[int, float]:
-    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "mode" not in r}
 
 
 def _train_crash_resume(config: str, root: str) -> None:
@@ -65,7 +60,7 @@ def test_a_compiled_run_resumes_exactly_after_a_crash(run_on, tmp_path):
     run_on(2)(_train_crash_resume, str(config), str(tmp_path), timeout=300)  # compiling
     log = (tmp_path / "crashed" / "train.log").read_text()
     assert re.search(r"resumed from \S+/iter_4\.pth at epoch 1, step 4\n", log), log
-    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "crashed")
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "crashed")
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
     checkpoint = torch.load(tmp_path / "crashed" / "checkpoints" / "iter_12.pth",
                             weights_only=True)

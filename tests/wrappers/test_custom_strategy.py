@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.records import losses
 from tests.runner.toy import CrashAfter, Killed
 from trainrun.cli import export as export_tool
 from trainrun.cli import train as train_tool
@@ -66,11 +67,6 @@ checkpoint: {interval: 4}
 """
 
 
-def _losses(work_dir: Path) -> dict[int, float]:
-    import json
-    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "mode" not in r}
-
 
 def _train_crash_resume(config: str, root: str) -> list[str]:
     """On every rank: a straight run, and one that crashes after step 6 then resumes."""
@@ -107,7 +103,7 @@ def test_it_trains_from_a_config_and_resumes_exactly(trained):
     # it resumed from its own checkpoint of step 4 (a restart from step 0 logs the same losses)
     log = (root / "crashed" / "train.log").read_text()
     assert re.search(r"resumed from \S+/iter_4\.pth at epoch 1, step 4\n", log), log
-    straight, resumed = _losses(root / "straight"), _losses(root / "crashed")
+    straight, resumed = losses(root / "straight"), losses(root / "crashed")
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
 
 

@@ -5,7 +5,6 @@ processes."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.records import losses, records
 from tests.runner.toy import CrashAfter, Killed, Payload, rehash
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.runner import Runner
@@ -108,18 +108,11 @@ def _runner(work_dir, strategy, *, max_iters=40, checkpoint=None, resume=False, 
     )
 
 
-def _records(work_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(work_dir) / "metrics.jsonl").read_text()
-            .splitlines()]
-
-
-def _losses(work_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(work_dir) if "mode" not in r}
 
 
 def _norms(work_dir) -> dict[int, float]:
     """The logged gradient norms by step (the steps that stepped the optimiser)."""
-    return {r["step"]: r["grad_norm"] for r in _records(work_dir) if "grad_norm" in r}
+    return {r["step"]: r["grad_norm"] for r in records(work_dir) if "grad_norm" in r}
 
 
 def _same_norms(a: dict[int, float], b: dict[int, float]) -> None:
@@ -159,11 +152,11 @@ def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
         assert shared  # ZeRO-3 in fp32 keeps no second copy of its partition
         assert keys == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
         assert shape == (16, 4)
-    ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
+    ddp, ds = losses(tmp_path / "ddp"), losses(tmp_path / "ds")
     assert sorted(ds) == list(range(1, 41))
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
-    assert [r["step"] for r in _records(tmp_path / "ds") if r.get("mode") == "val"] == [20, 40]
+    assert [r["step"] for r in records(tmp_path / "ds") if r.get("mode") == "val"] == [20, 40]
     assert sorted(_norms(tmp_path / "ds")) == list(range(1, 41))
     _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "ds"))
 
@@ -194,7 +187,7 @@ def test_accumulation_clipping_and_a_short_last_group_match_ddp(run_on, tmp_path
     for ddp, ds in run_on(2)(_options_body, str(tmp_path), strategy, max_iters, optim, "fp32"):
         for key, value in ddp.items():
             assert torch.allclose(ds[key], value, rtol=1e-4, atol=1e-6), key
-    ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
+    ddp, ds = losses(tmp_path / "ddp"), losses(tmp_path / "ds")
     assert sorted(ds) == list(range(1, max_iters + 1))
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
@@ -211,7 +204,7 @@ def test_bf16_with_optimizer_and_parameter_offload_trains_as_ddp_does(run_on, tm
                 "offload_param": True}
     run_on(2)(_options_body, str(tmp_path), strategy, 30, {"accumulate": 2, "clip_grad": 1.0},
               "bf16")
-    ddp, ds = _losses(tmp_path / "ddp"), _losses(tmp_path / "ds")
+    ddp, ds = losses(tmp_path / "ddp"), losses(tmp_path / "ds")
     assert sorted(ds) == list(range(1, 31))
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=0.05), step
@@ -253,8 +246,8 @@ def test_resume_gives_bit_identical_losses(run_on, tmp_path, stage):
     assert (checkpoints / "iter_24.pth" / "train_state.pt").is_file()
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_20.pth", "iter_24.pth",
                                                              "last"]
-    expected = _losses(tmp_path / "straight")
-    logged = [r for r in _records(tmp_path / "resumed") if "mode" not in r]
+    expected = losses(tmp_path / "straight")
+    logged = [r for r in records(tmp_path / "resumed") if "mode" not in r]
     after = [(r["step"], r["loss"]) for r in logged[13:]]
     assert [step for step, _ in after] == list(range(11, 25))
     for step, loss in after:
@@ -334,8 +327,8 @@ def test_a_checkpoint_of_two_processes_resumes_on_three(run_on, tmp_path, stage)
             assert torch.equal(state[key], value), key
     read = sorted(index for _, _, indices in results for index in indices)
     assert read == sorted(order[48:] + order[:2])  # 16 left, 2 padding samples: 3 x 2 x 3
-    assert sorted(_losses(tmp_path)) == list(range(1, 10))
-    assert all(loss == loss for loss in _losses(tmp_path).values())  # no NaN
+    assert sorted(losses(tmp_path)) == list(range(1, 10))
+    assert all(loss == loss for loss in losses(tmp_path).values())  # no NaN
     log = (tmp_path / "train.log").read_text()
     assert (f"resume: {checkpoints / 'iter_6.pth'} was written by 2 processes, this job has "
             "3: loaded through DeepSpeed's universal checkpoint") in log
@@ -402,7 +395,7 @@ def test_a_run_without_a_process_group_gets_a_one_process_group(run_on, tmp_path
     keys, still_grouped = run_on(1)(_single_process_body, str(tmp_path))[0]
     assert keys == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
     assert not still_grouped  # the strategy's own group is gone after close()
-    assert sorted(_losses(tmp_path)) == list(range(1, 7))
+    assert sorted(losses(tmp_path)) == list(range(1, 7))
 
 
 def _same(a, b) -> bool:

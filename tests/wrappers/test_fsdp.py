@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.records import loss_list
 from tests.runner.toy import CrashAfter, Killed, Payload, ToyModel
 from trainrun.runner.checkpoint import CheckpointManager, model_mismatch, newest_first
 from trainrun.runner.config import load_config
@@ -63,10 +64,6 @@ def _runner(work_dir, strategy="fsdp", *, max_iters=8, size=64, checkpoint=None,
     )
 
 
-def _losses(work_dir) -> list[tuple[int, float]]:
-    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "mode" not in r]
-
 
 def _norms(work_dir) -> dict[int, float]:
     """The logged gradient norms by step (the steps that stepped the optimiser)."""
@@ -117,7 +114,7 @@ def test_shard_units_by_class_and_size():
 
 def test_single_process_trains_unwrapped(run_on, tmp_path):
     assert run_on(1)(_train_body, str(tmp_path / "a"), "fsdp", 6) == [False]
-    assert len(_losses(tmp_path / "a")) == 6
+    assert len(loss_list(tmp_path / "a")) == 6
 
 
 def test_metadata_that_would_run_code_is_refused(tmp_path):
@@ -206,7 +203,7 @@ def test_per_rank_bytes_are_a_1_over_n_share(run_on, world_size):
 def test_fsdp_losses_equal_ddp_for_40_steps(run_on, tmp_path):
     assert run_on(2)(_train_body, str(tmp_path / "ddp"), "ddp", 40) == [True, True]
     run_on(2)(_train_body, str(tmp_path / "fsdp"), "fsdp", 40)
-    ddp, fsdp = _losses(tmp_path / "ddp"), _losses(tmp_path / "fsdp")
+    ddp, fsdp = loss_list(tmp_path / "ddp"), loss_list(tmp_path / "fsdp")
     assert [s for s, _ in fsdp] == list(range(1, 41))
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
@@ -226,7 +223,7 @@ def test_fsdp_losses_equal_ddp_for_40_steps(run_on, tmp_path):
 def test_every_option_trains(run_on, tmp_path, options):
     run_on(2)(_train_body, str(tmp_path / "ddp"), "ddp", 6)
     run_on(2)(_train_body, str(tmp_path / "fsdp"), {"type": "fsdp", **options}, 6)
-    ddp, fsdp = _losses(tmp_path / "ddp"), _losses(tmp_path / "fsdp")
+    ddp, fsdp = loss_list(tmp_path / "ddp"), loss_list(tmp_path / "fsdp")
     tolerance = 5e-2 if "mixed_precision" in options else 1e-4
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= tolerance * abs(a), (step, a, b)
@@ -238,7 +235,7 @@ def test_accumulation_and_clipping_match_ddp(run_on, tmp_path):
     optim = {"type": "AdamW", "lr": 0.01, "accumulate": 2, "clip_grad": {"max_norm": 0.5}}
     run_on(2)(_train_body, str(tmp_path / "ddp"), "ddp", 10, optim)
     run_on(2)(_train_body, str(tmp_path / "fsdp"), "fsdp", 10, optim)
-    ddp, fsdp = _losses(tmp_path / "ddp"), _losses(tmp_path / "fsdp")
+    ddp, fsdp = loss_list(tmp_path / "ddp"), loss_list(tmp_path / "fsdp")
     assert len(fsdp) == 10
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
@@ -287,8 +284,8 @@ def test_resume_after_a_crash_is_bit_identical(run_on, tmp_path):
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         "iter_15.pth", "iter_20.pth", "iter_24.pth", "last"]  # max_keep 3, no leftovers
     assert (checkpoints / "iter_24.pth" / "train_state.pt").is_file()
-    expected = dict(_losses(tmp_path / "straight"))
-    after = _losses(tmp_path / "resumed")[13:]
+    expected = dict(loss_list(tmp_path / "straight"))
+    after = loss_list(tmp_path / "resumed")[13:]
     assert [step for step, _ in after] == list(range(11, 25))
     for step, loss in after:
         assert loss == expected[step], (step, loss, expected[step])

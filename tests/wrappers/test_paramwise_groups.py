@@ -5,7 +5,6 @@ never stopped, bit for bit."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.records import losses
 from tests.runner.toy import CrashAfter, Killed
 from trainrun.runner.runner import Runner
 
@@ -70,10 +70,6 @@ def _weights(runner: Runner) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in runner.strategy.model_state_dict(runner.model).items()}
 
 
-def _losses(work_dir: str) -> dict[int, float]:
-    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "mode" not in r}
-
 
 def _body(root: str, strategy: Any) -> dict[str, Any]:
     """On every rank: a straight run, and one that crashes after step 6 and resumes."""
@@ -115,7 +111,7 @@ def test_groups_train_and_resume_exactly(run_on, tmp_path, name):
     # straight run ended
     assert result["resumed_start"] != result["built"]
     assert result["resumed_end"] == result["straight_end"]
-    straight, resumed = _losses(f"{tmp_path}/straight"), _losses(f"{tmp_path}/crashed")
+    straight, resumed = losses(f"{tmp_path}/straight"), losses(f"{tmp_path}/crashed")
     log = (tmp_path / "crashed" / "train.log").read_text()
     assert "resumed from" in log and "step 4\n" in log, log
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
@@ -159,5 +155,5 @@ def test_separate_optimisers_group_each_submodule_and_resume_exactly(run_on, tmp
     assert results[0]["built"] == results[0]["resumed"] == {
         "a": [("default", 0.1, 0.01), ("bias", 0.2, 0.0)],
         "b": [("default", 0.1, 0.01), ("'b.weight'", 0.05, 0.01)]}
-    straight, resumed = _losses(f"{tmp_path}/straight"), _losses(f"{tmp_path}/crashed")
+    straight, resumed = losses(f"{tmp_path}/straight"), losses(f"{tmp_path}/crashed")
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit

@@ -1,0 +1,28 @@
+"""Reading a run's ``metrics.jsonl`` in tests: every record, the training ones, their losses."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def records(work_dir: str | os.PathLike) -> list[dict]:
+    """Every line of the run's metrics.jsonl, in order."""
+    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def train_records(work_dir: str | os.PathLike) -> list[dict]:
+    """The training lines (validation lines carry a ``mode``)."""
+    return [r for r in records(work_dir) if "mode" not in r]
+
+
+def losses(work_dir: str | os.PathLike) -> dict[int, float]:
+    """The logged loss by step (a step logged twice, by a run resumed before it: the later)."""
+    return {r["step"]: r["loss"] for r in train_records(work_dir)}
+
+
+def loss_list(work_dir: str | os.PathLike) -> list[tuple[int, float]]:
+    """(step, loss) of every training line, in order, repeats included."""
+    return [(r["step"], r["loss"]) for r in train_records(work_dir)]
