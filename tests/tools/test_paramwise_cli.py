@@ -5,7 +5,6 @@ processes with the groups in the checkpoint."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from tests.records import train_records
 from tests.tools.test_train_cli import CONFIG, env
 from tests.tools.test_verify_resume import child_env  # noqa: F401 - a fixture
 from trainrun.cli import verify_resume as vr
@@ -109,7 +109,9 @@ def test_digits_with_groups_and_a_schedule_resume_exactly_after_sigkill(child_en
         ("default", 0.001, 0.01), ("'net.0'", 0.0005, 0.01), ("bias", 0.002, 0.0)]
     assert saved[2]["lr"] == pytest.approx(2 * saved[0]["lr"], rel=1e-12) != saved[0]["lr"]
     # the logged lr (the first group's, the base rate under the schedule) resumed exactly too
-    lrs = {name: [r["lr"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl")
-                                        .read_text().splitlines()) if "mode" not in r]
+    # (by step: the killed run may have logged steps after its checkpoint that the resumed
+    # run logs again)
+    lrs = {name: {r["step"]: r["lr"] for r in train_records(tmp_path / name)}
            for name in ("straight", "resumed")}
-    assert lrs["straight"] == lrs["resumed"] and len(set(lrs["straight"])) > 2
+    assert lrs["straight"] == lrs["resumed"] and len(set(lrs["straight"].values())) > 2
+    assert sorted(lrs["straight"]) == list(range(1, 9))

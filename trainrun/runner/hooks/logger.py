@@ -143,7 +143,8 @@ class LoggerHook(Hook):
         record = {"step": runner.iter, "mode": "val", **metrics}
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
-        several = isinstance(runner.val_dataloader, dict)  # keys: val/<set>/<metric> already
+        # several sets' keys are val/<set>/<metric> already
+        several = isinstance(getattr(runner, "val_dataloader", None), dict)
         self._track(dict(metrics) if several else {f"val/{k}": v for k, v in metrics.items()},
                     runner.iter)
         text = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
