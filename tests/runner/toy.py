@@ -3,8 +3,11 @@ that a resume restoring the wrong RNG state or data position shows in the losses
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -115,6 +118,18 @@ class CrashAfter:
             if runner.run_lock is not None:  # a dead process holds no run directory
                 runner.run_lock.release()
             raise Killed(f"killed after step {self.step}")
+
+
+def straight_crash_resume(runner: Callable[..., Any], crash_after: int = 6) -> None:
+    """Train a run ``straight`` through, and one (``crashed``) that dies after step
+    ``crash_after`` and is resumed; ``runner(name, resume=...)`` builds each `Runner`."""
+    with runner("straight") as run:
+        run.train()
+    with runner("crashed") as run, pytest.raises(Killed):
+        run.hooks.append(CrashAfter(crash_after))
+        run.train()
+    with runner("crashed", resume=True) as run:
+        run.train()
 
 
 def batch_of(rank: int, size: int = 4, features: int = 4) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.records import losses
-from tests.runner.toy import CrashAfter, Killed
+from tests.runner.toy import straight_crash_resume
 from trainrun.examples.digits import DigitsMLP
 from trainrun.examples.gan import ToyGAN
 from trainrun.runner import Runner
@@ -41,13 +41,7 @@ def _train_crash_resume(config: str, root: str) -> None:
         return Runner.from_cfg(load_config(config, [f"work_dir={root}/{name}", *overrides],
                                            values=more))
 
-    with runner("straight") as run:
-        run.train()
-    with runner("crashed") as run, pytest.raises(Killed):
-        run.hooks.append(CrashAfter(6))
-        run.train()
-    with runner("crashed", resume=True) as run:
-        run.train()
+    straight_crash_resume(runner)
     with runner("uncompiled", "compile=false", "schedule.max_iters=1",
                 f"load_from={root}/crashed/checkpoints/iter_4.pth") as run:
         run.train()

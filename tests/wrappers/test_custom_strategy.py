@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.records import losses
-from tests.runner.toy import CrashAfter, Killed
+from tests.runner.toy import straight_crash_resume
 from trainrun.cli import export as export_tool
 from trainrun.cli import train as train_tool
 from trainrun.dist import barrier, get_rank
@@ -76,13 +76,7 @@ def _train_crash_resume(config: str, root: str) -> list[str]:
             return Runner.from_cfg(load_config(config, [f"work_dir={root}/{name}"],
                                                values=more))
 
-        with runner("straight") as run:
-            run.train()
-        with runner("crashed") as run, pytest.raises(Killed):
-            run.hooks.append(CrashAfter(6))
-            run.train()
-        with runner("crashed", resume=True) as run:
-            run.train()
+        straight_crash_resume(runner)
         return sorted(p.name for p in (Path(root) / "crashed/checkpoints/iter_4.pth").iterdir())
     finally:
         del STRATEGIES["per_rank_ddp"]
