@@ -29,6 +29,16 @@ def best_rule_for(metric: str) -> str:
     return "less" if "loss" in metric.lower() else "greater"
 
 
+def improves(value: float, best: float | None, rule: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` betters ``best`` under ``rule`` ('greater' or 'less') by more than
+    ``min_delta``: nan never does; any value betters no best yet."""
+    if math.isnan(value):
+        return False
+    if best is None:
+        return True
+    return value > best + min_delta if rule == "greater" else value < best - min_delta
+
+
 class CheckpointHook(Hook):
     priority = CHECKPOINT  # see hooks/base.py for the order
 
@@ -73,7 +83,7 @@ class CheckpointHook(Hook):
             self.save_best = None
             return
         value = metrics[self.save_best]
-        if math.isnan(value) or not self._improves(value):
+        if not improves(value, self.best_value, "greater" if self.greater else "less"):
             return
         previous = self.best_path
         self.best_value = value
@@ -83,11 +93,6 @@ class CheckpointHook(Hook):
         if previous and previous != self.best_path:
             runner.checkpoints.remove(Path(previous))
         get_logger().info("new best %s %.6g saved", self.save_best, value)
-
-    def _improves(self, value: float) -> bool:
-        if self.best_value is None:
-            return True
-        return value > self.best_value if self.greater else value < self.best_value
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_value": self.best_value, "best_path": self.best_path}

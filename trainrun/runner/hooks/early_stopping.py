@@ -12,13 +12,12 @@ unbroken one does.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from trainrun.dist import broadcast_object_list
 from trainrun.dist.text import closest
 from trainrun.runner.hooks.base import NORMAL, Hook
-from trainrun.runner.hooks.checkpoint import best_rule_for
+from trainrun.runner.hooks.checkpoint import best_rule_for, improves
 from trainrun.runner.logging import get_logger
 from trainrun.runner.schema import (
     REQUIRED,
@@ -92,21 +91,12 @@ class EarlyStoppingHook(Hook):
             return
         value = [float(metrics[self.metric])]
         broadcast_object_list(value)  # rank 0's: every rank decides alike
-        if self._improves(value[0]):
+        if improves(value[0], self.best, self.rule, self.min_delta):
             self.best, self.best_step, self.count = value[0], runner.iter, 0
         else:
             self.count += 1
         if self.count >= self.patience:
             runner.request_stop(self._reason(runner))
-
-    def _improves(self, value: float) -> bool:
-        if math.isnan(value):
-            return False
-        if self.best is None:
-            return True
-        if self.rule == "greater":
-            return value > self.best + self.min_delta
-        return value < self.best - self.min_delta
 
     def _reason(self, runner: Any) -> str:
         by = f" by more than {self.min_delta:g}" if self.min_delta else ""
