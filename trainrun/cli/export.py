@@ -1,12 +1,14 @@
 """``tools/export.py``: a checkpoint of any strategy as one plain state-dict file for inference.
 
-    python tools/export.py CHECKPOINT OUT [--format safetensors|torch] [--dtype bf16] [--force]
+    python tools/export.py CHECKPOINT OUT [--format safetensors|torch] [--dtype bf16] [--ema]
+                           [--force]
 
 CHECKPOINT is a checkpoint file, a sharded (fsdp) or DeepSpeed directory, or a work_dir (its
 newest checkpoint). The output holds the model's tensors only, under the plain model's names,
-so ``model.load_state_dict(...)`` takes it with no trainrun installed. The checkpoint is
-verified against its manifest of hashes first. OUT is written under a temporary name and
-renamed, so a failed export never leaves a half-written OUT.
+so ``model.load_state_dict(...)`` takes it with no trainrun installed; with ``--ema``, the
+EMA hook's average of the weights in place of the trained ones (buffers stay the model's).
+The checkpoint is verified against its manifest of hashes first. OUT is written under a
+temporary name and renamed, so a failed export never leaves a half-written OUT.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from torch import Tensor
 from trainrun.cli import prog
 from trainrun.dist.device import DTYPES
 from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
-from trainrun.runner.checkpoint import read_weights, resolve_checkpoint
+from trainrun.runner.checkpoint import read_train_state, read_weights, resolve_checkpoint
 from trainrun.runner.files import replacing
+from trainrun.runner.hooks.ema import EMAHook
 from trainrun.runner.manifest import verify_checkpoint
 
 FORMATS = ("safetensors", "torch")
@@ -48,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
                         "or .bin OUT, else safetensors")
     p.add_argument("--dtype", choices=tuple(DTYPES),
                    help="cast floating-point tensors (default: as saved)")
+    p.add_argument("--ema", action="store_true",
+                   help="write the EMA hook's average of the weights (hooks: [{type: EMA}]) "
+                        "instead of the trained weights")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     return p
 
@@ -78,6 +84,19 @@ def plain_tensors(state: dict[str, object], dtype: torch.dtype | None = None) ->
     return out
 
 
+def ema_weights(source: Path, model: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``model`` with its parameters replaced by the average the checkpoint's EMA hook kept."""
+    state = (read_train_state(source).get("hooks") or {}).get(EMAHook.__name__) or {}
+    average = state.get("weights") if isinstance(state, dict) else None
+    if not average:
+        raise ExportError(f"--ema: {source} holds no EMA weights (the run that wrote it had "
+                          f"no EMA hook)")
+    unknown = sorted(set(average) - set(model))
+    if unknown:
+        raise ExportError(f"--ema: the EMA weight {unknown[0]!r} is not in the model's state")
+    return {**model, **average}
+
+
 def write(tensors: dict[str, Tensor], out: Path, fmt: str, metadata: dict[str, str]) -> None:
     """Write ``tensors`` to ``out`` durably, never leaving half a file under its name."""
     with replacing(out) as tmp:
@@ -90,7 +109,7 @@ def write(tensors: dict[str, Tensor], out: Path, fmt: str, metadata: dict[str, s
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | None = None,
-           dtype: str | None = None, force: bool = False) -> dict[str, int]:
+           dtype: str | None = None, force: bool = False, ema: bool = False) -> dict[str, int]:
     """Write the model state of ``checkpoint`` to ``out``; returns counts for the summary."""
     out = Path(out)
     if out.exists() and not force:
@@ -100,7 +119,10 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | Non
     source = resolve_checkpoint(checkpoint)
     fmt = output_format(out, fmt)
     verify_checkpoint(source, alone=True)  # a damaged one: DamagedCheckpoint, a ValueError
-    tensors = plain_tensors(read_weights(source), DTYPES[dtype] if dtype else None)
+    weights = read_weights(source)
+    if ema:
+        weights = ema_weights(source, weights)
+    tensors = plain_tensors(weights, DTYPES[dtype] if dtype else None)
     if not tensors:
         raise ExportError(f"{source} holds no model tensors")
     write(tensors, out, fmt, {"format": "pt", "source": str(source)})
@@ -117,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
-        counts = export(args.checkpoint, args.out, args.format, args.dtype, args.force)
+        counts = export(args.checkpoint, args.out, args.format, args.dtype, args.force,
+                        args.ema)
     except (ValueError, OSError, pickle.UnpicklingError) as error:
         print(f"{command.prog}: error: {error}", file=sys.stderr)
         return EXIT_USAGE

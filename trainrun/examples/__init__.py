@@ -39,6 +39,7 @@ METRICS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # the hooks a config's ``hooks:`` list names (trainrun/runner/hooks/)
 HOOKS: dict[str, str] = {
+    "EMA": "trainrun.runner.hooks.ema:EMAHook",
     "EarlyStopping": "trainrun.runner.hooks.early_stopping:EarlyStoppingHook",
     "Profiler": "trainrun.runner.hooks.profiler:ProfilerHook",
 }

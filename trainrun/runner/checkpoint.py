@@ -338,6 +338,13 @@ def model_mismatch(model: dict[str, tuple[int, ...]],
     return None
 
 
+def read_train_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The runner's own state in a checkpoint of any strategy (position, RNG states, the
+    hooks' states), read in this process with no group."""
+    path = resolve_checkpoint(path)
+    return checkpoint_format(path).read_train_state(path)
+
+
 def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     """The model's whole state, plain keys, from a checkpoint of any strategy (a file, a
     sharded directory or a DeepSpeed directory), read in this process with no group."""

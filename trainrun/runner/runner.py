@@ -59,6 +59,7 @@ from trainrun.runner.checkpoint import (
     model_mismatch,
     model_shapes,
     newest_intact,
+    read_train_state,
     read_weights,
     resolve_checkpoint,
 )
@@ -616,6 +617,16 @@ class Runner:
             seen[name] = seen.get(name, 0) + 1
             keyed.append((name if seen[name] == 1 else f"{name}#{seen[name]}", hook))
         return keyed
+
+    def saved_hook_state(self, hook: Hook, path: str | os.PathLike) -> Any:
+        """What the checkpoint at ``path`` holds of ``hook``'s state (None: nothing), for a
+        hook that uses it outside a resume (EMA's average when testing a checkpoint)."""
+        key = next(key for key, each in self._keyed_hooks() if each is hook)
+        state = read_train_state(path).get("hooks", {}).get(key)
+        if isinstance(state, Mapping) and "per_rank" in state:
+            per_rank = state["per_rank"]
+            return per_rank[self.rank] if len(per_rank) == self.world_size else None
+        return state
 
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
                         background: bool = False) -> Path:

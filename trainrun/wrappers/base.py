@@ -148,6 +148,33 @@ class Strategy(ABC):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         self.unwrap(model).load_state_dict(state)
 
+    # ------------------------------------------------ this rank's share of the parameters
+    # What a hook that keeps a copy of the weights beside the model (EMA) works on, so that
+    # its copy is sharded as the model is. Strategies whose every rank holds the whole model
+    # inherit these four; a sharded one overrides all of them.
+
+    def param_shards(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's part of each parameter, by the plain model's names: tensors that share
+        the parameters' storage, so that writing into them (then `shards_written`) changes
+        what the next forward computes with. This default: the whole parameters."""
+        return {name: param.detach() for name, param in self.unwrap(model).named_parameters()}
+
+    def shards_written(self, model: nn.Module) -> None:  # noqa: B027 - optional
+        """`param_shards`' tensors were written into: refresh any gathered copy of them the
+        strategy keeps (every rank calls this)."""
+
+    def full_params(self, model: nn.Module,
+                    shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors from every rank's ``shards`` (each cut as `param_shards` cuts the
+        parameter of its name); a collective for a sharded strategy. This default: as given."""
+        return dict(shards)
+
+    def shard_params(self, model: nn.Module,
+                     full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of each whole tensor in ``full``, cut as `param_shards` cuts the
+        parameter of its name (every rank calls this). This default: as given."""
+        return dict(full)
+
     def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                         extra: dict[str, Any]) -> None:
         """Write model, optimiser and ``extra`` to ``path``; called on every rank.
@@ -225,6 +252,13 @@ class Strategy(ABC):
         """The whole model's state, plain keys, read in this process with no group."""
         state = cls.read_state(path)
         return state.get("model", state)
+
+    @classmethod
+    def read_train_state(cls, path: Path) -> dict[str, Any]:
+        """The runner's own state in the checkpoint (position, RNG states, the hooks' states),
+        read in this process with no group."""
+        state = cls.read_state(path)
+        return {key: value for key, value in state.items() if key not in ("model", "optimizer")}
 
     @classmethod
     def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:

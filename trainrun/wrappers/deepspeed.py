@@ -511,6 +511,10 @@ class DeepSpeedStrategy(Strategy):
         return deepspeed_weights(path)
 
     @classmethod
+    def read_train_state(cls, path: Path) -> dict[str, Any]:
+        return load_state_file(str(path / TRAIN_STATE))
+
+    @classmethod
     def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
         return deepspeed_model_shapes(path)
 
@@ -621,6 +625,63 @@ class DeepSpeedStrategy(Strategy):
         refresh = getattr(getattr(self.engine, "optimizer", None), "refresh_fp32_params", None)
         if refresh is not None:
             refresh()
+
+    # ---------------------------------------------- ZeRO-3's partitions (see Strategy's four)
+
+    def _partitioned(self) -> bool:
+        return self.engine is not None and \
+            _lookup(self.config or {}, "zero_optimization.stage") == 3
+
+    def param_shards(self, model: nn.Module) -> dict[str, Tensor]:
+        """Under ZeRO-3, each parameter's partition on this rank (``ds_tensor``: flat, of one
+        size on every rank, the last rank's padded with zeros)."""
+        if not self._partitioned():
+            return super().param_shards(model)
+        return {name: param.ds_tensor.detach()
+                for name, param in self.unwrap(model).named_parameters()}
+
+    def shards_written(self, model: nn.Module) -> None:
+        """Parameters ZeRO-3 keeps gathered (those under its persistence threshold, which it
+        gathers again only after an optimiser step) take their partitions' new values."""
+        if not self._partitioned():
+            return
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        gathered = {name: param for name, param in self.unwrap(model).named_parameters()
+                    if param.ds_status == ZeroParamStatus.AVAILABLE}
+        whole = self.full_params(model, {name: param.ds_tensor
+                                         for name, param in gathered.items()})
+        for name, param in gathered.items():
+            param.data.copy_(whole[name])
+
+    def full_params(self, model: nn.Module, shards: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Whole tensors from every rank's partitions (one all-gather per parameter)."""
+        if not self._partitioned():
+            return super().full_params(model, shards)
+        params = dict(self.unwrap(model).named_parameters())
+        whole = {}
+        for name, shard in shards.items():
+            parts = [torch.empty_like(shard) for _ in range(get_world_size())]
+            torch_dist.all_gather(parts, shard.contiguous())
+            param = params[name]
+            whole[name] = torch.cat(parts)[:param.ds_numel].view(param.ds_shape)
+        return whole
+
+    def shard_params(self, model: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's partition of each whole tensor, padded as ZeRO-3 pads its own."""
+        if not self._partitioned():
+            return super().shard_params(model, full)
+        params = dict(self.unwrap(model).named_parameters())
+        shards = {}
+        for name, tensor in full.items():
+            local = params[name].ds_tensor
+            size = local.numel()
+            flat = tensor.reshape(-1).to(local.device)
+            piece = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+            mine = flat[get_rank() * size:(get_rank() + 1) * size]
+            piece[:mine.numel()] = mine
+            shards[name] = piece
+        return shards
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -387,6 +387,10 @@ class FSDPStrategy(Strategy):
         return sharded_model_weights(path)
 
     @classmethod
+    def read_train_state(cls, path: Path) -> dict[str, Any]:
+        return load_state_file(str(path / TRAIN_STATE))
+
+    @classmethod
     def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
         return sharded_model_shapes(path)
 
@@ -444,6 +448,49 @@ class FSDPStrategy(Strategy):
         set_model_state_dict(self.unwrap(model), state,
                              options=StateDictOptions(full_state_dict=True))
         return None
+
+    def _sharded_params(self, model: nn.Module) -> dict[str, Any]:
+        """The model's parameters (DTensors), every unit resharded first: the root unit keeps
+        its parameters gathered after a forward without backward (validation), and a gathered
+        copy would not see what is written into the shards."""
+        for unit in (*model.units, model.module):
+            unit.reshard()
+        return dict(self.unwrap(model).named_parameters())
+
+    def param_shards(self, model: nn.Module) -> dict[str, Tensor]:
+        """This rank's shard of each parameter (the DTensor's local tensor)."""
+        if not self._sharded(model):
+            return super().param_shards(model)
+        return {name: param.detach().to_local()
+                for name, param in self._sharded_params(model).items()}
+
+    def shards_written(self, model: nn.Module) -> None:
+        if self._sharded(model):
+            self._sharded_params(model)  # drop any gathered copy of the old values
+
+    def full_params(self, model: nn.Module, shards: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Whole tensors from every rank's shards (all-gathers over the model's mesh)."""
+        if not self._sharded(model):
+            return super().full_params(model, shards)
+        from torch.distributed.tensor import DTensor
+
+        params = self._sharded_params(model)
+        return {name: DTensor.from_local(shard, params[name].device_mesh,
+                                         params[name].placements, shape=params[name].shape,
+                                         stride=params[name].stride()).full_tensor()
+                for name, shard in shards.items()}
+
+    def shard_params(self, model: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's shard of each whole tensor, cut as `fully_shard` cut its parameter."""
+        if not self._sharded(model):
+            return super().shard_params(model, full)
+        from torch.distributed.tensor import distribute_tensor
+
+        params = self._sharded_params(model)
+        return {name: distribute_tensor(tensor.to(params[name].device),
+                                        params[name].device_mesh,
+                                        params[name].placements).to_local()
+                for name, tensor in full.items()}
 
     def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                         extra: dict[str, Any]) -> None:

@@ -3,11 +3,12 @@
 from trainrun.runner.hooks.base import Hook
 from trainrun.runner.hooks.checkpoint import CheckpointHook
 from trainrun.runner.hooks.early_stopping import EarlyStoppingHook
+from trainrun.runner.hooks.ema import EMAHook
 from trainrun.runner.hooks.logger import LoggerHook
 from trainrun.runner.hooks.preemption import PreemptionHook
 from trainrun.runner.hooks.profiler import ProfilerHook
 from trainrun.runner.hooks.timer import IterTimerHook
 from trainrun.runner.hooks.validation import ValidationHook
 
-__all__ = ["CheckpointHook", "EarlyStoppingHook", "Hook", "IterTimerHook", "LoggerHook",
+__all__ = ["CheckpointHook", "EarlyStoppingHook", "EMAHook", "Hook", "IterTimerHook", "LoggerHook",
            "PreemptionHook", "ProfilerHook", "ValidationHook"]
