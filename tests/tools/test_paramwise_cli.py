@@ -115,3 +115,25 @@ def test_digits_with_groups_and_a_schedule_resume_exactly_after_sigkill(child_en
            for name in ("straight", "resumed")}
     assert lrs["straight"] == lrs["resumed"] and len(set(lrs["straight"].values())) > 2
     assert sorted(lrs["straight"]) == list(range(1, 9))
+
+
+def test_resuming_with_other_groups_is_refused_in_one_line(tmp_path, capfd):
+    """--force accepts the changed config, but the checkpoint's optimiser state has one group
+    where the new groups are two: exit 2 saying so (and what can start from it), no
+    traceback."""
+    single = CONFIG.parent / "digits_single.yaml"
+    work_dir = str(tmp_path / "run")
+    assert train_main([str(single), "--work-dir", work_dir, "--cfg-options",
+                       "schedule.max_epochs=1"]) == 0
+    capfd.readouterr()
+    code = train_main([str(single), "--work-dir", work_dir, "--resume", "--force",
+                       "--cfg-options", "schedule.max_epochs=2",
+                       "optim.paramwise={bias_decay_mult: 0}"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"error: resume: {work_dir}/checkpoints/epoch_1.pth: its optimiser state does not fit "
+        f"this run's optimiser (loaded state dict has a different number of parameter groups): "
+        f"optim.paramwise or optim.type changed since it was written; its weights alone can "
+        f"start a run (load_from)")

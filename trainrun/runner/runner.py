@@ -93,6 +93,7 @@ from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
 from trainrun.runner.stream import is_sized, is_stream, stream_warnings
 from trainrun.wrappers import Strategy, build_strategy
+from trainrun.wrappers.base import OptimizerMismatch
 
 
 class Runner:
@@ -714,7 +715,10 @@ class Runner:
     def resume(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint at ``path`` stopped (verified first)."""
         path = self._verified("resume", Path(path))
-        state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
+        try:
+            state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
+        except OptimizerMismatch as error:
+            raise ConfigError(f"resume: {path}: {error}") from None
         meta = state["meta"]
         self.epoch, self.iter, self.seed = meta["epoch"], meta["iter"], meta["seed"]
         wrapper_states = state["optim_wrapper"]

@@ -50,14 +50,28 @@ def optimizer_state(optimizer: Optimizers | None) -> Any:
     return optimizer.state_dict()
 
 
+class OptimizerMismatch(ValueError):
+    """A checkpoint's optimiser state that this run's optimiser cannot take."""
+
+
+OPTIMIZER_MISMATCH_HINT = ("optim.paramwise or optim.type changed since it was written; its "
+                           "weights alone can start a run (load_from)")
+
+
 def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
+    """Load ``state`` into ``optimizer``; one that does not fit (other parameter groups, or
+    another optimiser) is an `OptimizerMismatch` saying so."""
     if optimizer is None or state is None:
         return
-    if isinstance(optimizer, Mapping):
-        for name, opt in optimizer.items():
-            opt.load_state_dict(state[name])
-    else:
-        optimizer.load_state_dict(state)
+    try:
+        if isinstance(optimizer, Mapping):
+            for name, opt in optimizer.items():
+                opt.load_state_dict(state[name])
+        else:
+            optimizer.load_state_dict(state)
+    except (ValueError, KeyError) as error:
+        raise OptimizerMismatch(f"its optimiser state does not fit this run's optimiser "
+                                f"({first_line(error)}): {OPTIMIZER_MISMATCH_HINT}") from None
 
 
 class Strategy(ABC):

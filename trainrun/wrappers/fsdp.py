@@ -30,8 +30,10 @@ from trainrun.dist import barrier, get_local_size, get_world_size, is_distribute
 from trainrun.dist.device import DTYPE_ALIASES, DTYPES
 from trainrun.dist.timeouts import get_timeout
 from trainrun.wrappers.base import (
+    OPTIMIZER_MISMATCH_HINT,
     TRAIN_STATE,
     MakeOptimizer,
+    OptimizerMismatch,
     Optimizers,
     Strategy,
     compile_module,
@@ -538,8 +540,14 @@ class FSDPStrategy(Strategy):
         check_metadata(path)
         module = self.unwrap(model)
         state = _sharded_state(module, optimizer)
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        try:
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+        except dcp.CheckpointException as error:
+            if "Missing key in checkpoint state_dict: optimizer." in str(error):
+                raise OptimizerMismatch(f"its optimiser state does not fit this run's "
+                                        f"optimiser ({OPTIMIZER_MISMATCH_HINT})") from None
+            raise
         set_state_dict(module, [optimizer] if optimizer is not None else [],
                        model_state_dict=state["model"],
                        optim_state_dict=state.get("optimizer", {}))
