@@ -54,6 +54,23 @@ def test_augmentation_in_two_workers_resumes_exactly_after_a_kill_mid_epoch(chil
 
 
 @pytest.mark.slow
+def test_a_run_that_stops_early_is_judged_up_to_its_stop(child_env, capsys, tmp_path):
+    """EarlyStopping ends the straight run at step 4 of 12 (validations every 2 steps, the
+    first the best): the kill comes after the step-2 checkpoint, and the resumed run must stop
+    at step 4 too."""
+    code = vr.main([str(CONFIG), "--nproc", "1", "--steps", "12", "--work-dir", str(tmp_path),
+                    "--cfg-options", "schedule.val_interval=2", "hooks=[{type: EarlyStopping, "
+                    "metric: accuracy, patience: 1, min_delta: 0.5}]"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert ("straight: stopped by itself at step 4 of 12: the resume is judged over steps "
+            "1-4, killed after the step-2 checkpoint") in out
+    assert "resumed: training steps 3-4 from the checkpoint ..." in out
+    assert ("exact resume: the losses of steps 1-4 match bit for bit, and both runs stopped "
+            "by themselves at step 4") in out
+
+
+@pytest.mark.slow
 def test_a_generator_the_checkpoint_misses_is_reported_at_its_first_step(child_env, capsys,
                                                                           tmp_path):
     code = vr.main([str(CONFIG), "--steps", "6", "--work-dir", str(tmp_path), "--cfg-options",

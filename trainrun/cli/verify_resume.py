@@ -9,6 +9,8 @@ through; *interrupted*, SIGKILLed (launcher and workers) as soon as its step-S/2
 saved; and *resumed* from that checkpoint with ``--resume``. Every step's logged values (the
 loss at full float precision in ``metrics.jsonl``) must be equal with ``==``, steps 1 to S/2
 from the interrupted run and the rest from the resumed one, and so must the last validation.
+A straight run that stops by itself before step S (early stopping) is judged up to its stop:
+killed after the checkpoint half way there, the resumed run must stop at the same step.
 
 Exit codes: 0 exact; 1 not exact, or a run failed (its last output lines on stderr); 2 a bad
 config or command line (one ``error:`` line, no traceback); 130 interrupted (Ctrl-C).
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +74,18 @@ class Plan:
     steps: int
     work_dir: str | None
     keep: bool
+    # the step the straight run stopped at by itself (early stopping) before `steps`; the
+    # resume is then judged over steps 1 to it, killed after its middle
+    stopped_at: int | None = None
+
+    @property
+    def end(self) -> int:
+        """The last step the runs are compared at."""
+        return self.stopped_at or self.steps
 
     @property
     def half(self) -> int:
-        return self.steps // 2
+        return self.end // 2
 
     @property
     def launcher(self) -> str:
@@ -165,6 +175,8 @@ def train_command(plan: Plan, run_dir: Path, resume: bool = False) -> list[str]:
     if resume:
         train.append("--resume")
     train += ["--cfg-options", *plan.options]
+    if plan.stopped_at is not None:  # the kill's checkpoint before the run's own stop
+        train.append(f"checkpoint.interval={plan.half}")
     if plan.nproc == 1:
         return [sys.executable, *train]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(plan.nproc),
@@ -411,7 +423,7 @@ def run_resumed(plan: Plan, root: Path, offset: int) -> list[dict[str, Any]]:
     """Phase 3: ``--resume`` in the interrupted run's directory, to step S; returns the
     records it added to metrics.jsonl."""
     run_dir, log = root / "resumed", root / "resumed.log"
-    _say(f"resumed: training steps {plan.half + 1}-{plan.steps} from the checkpoint ...")
+    _say(f"resumed: training steps {plan.half + 1}-{plan.end} from the checkpoint ...")
     began = time.monotonic()
     returncode = finish(start(train_command(plan, run_dir, resume=True), log))
     if returncode != 0:
@@ -426,7 +438,7 @@ def not_exact(mismatch: Mismatch, straight: dict[int, dict[str, Any]],
               other: dict[int, dict[str, Any]], label: str, plan: Plan, why: str,
               causes: str) -> int:
     _say(f"resume is NOT exact: {describe(mismatch, label)}")
-    for line in following(straight, other, mismatch, label, plan.steps):
+    for line in following(straight, other, mismatch, label, plan.end):
         _say(line)
     _say(why)
     _say(causes)
@@ -455,7 +467,11 @@ def check_resumed(plan: Plan, straight: dict[int, dict[str, Any]],
         _say(f"resume is NOT exact: the resumed run {began}, not at step {plan.half + 1}: it "
              f"did not continue from the step-{plan.half} checkpoint")
         return EXIT_DIFFERENT
-    mismatch = compare_steps(straight, resumed, range(plan.half + 1, plan.steps + 1))
+    mismatch = compare_steps(straight, resumed, range(plan.half + 1, plan.end + 1))
+    if mismatch is None and max(resumed) != plan.end:
+        _say(f"resume is NOT exact: the resumed run trained to step {max(resumed)}; the "
+             f"straight one stopped by itself at step {plan.end}")
+        return EXIT_DIFFERENT
     if mismatch is None:
         return None
     why = (f"steps 1-{plan.half} match, so the step-{plan.half} checkpoint does not restore "
@@ -486,6 +502,7 @@ def verify(plan: Plan, root: Path) -> int:
          f"step-{plan.half} checkpoint and resumed; runs in {root}")
     straight = run_straight(plan, root)
     expected = by_step(straight)
+    plan = judged_until(plan, max(expected, default=0))
     interrupted, offset = run_interrupted(plan, root)
     code = check_rerun(plan, expected, by_step(interrupted))
     if code is not None:
@@ -496,8 +513,24 @@ def verify(plan: Plan, root: Path) -> int:
         code = check_validation(plan, last_validation(straight), last_validation(resumed))
     if code is not None:
         return code
-    _say(f"exact resume: the losses of steps 1-{plan.steps} match bit for bit")
+    _say(f"exact resume: the losses of steps 1-{plan.end} match bit for bit"
+         + (f", and both runs stopped by themselves at step {plan.end}"
+            if plan.stopped_at else ""))
     return EXIT_EXACT
+
+
+def judged_until(plan: Plan, last: int) -> Plan:
+    """``plan`` for a straight run that logged ``last`` steps: as it was if it trained them
+    all; else (it stopped by itself: early stopping) judged over steps 1 to ``last``."""
+    if last >= plan.steps:
+        return plan
+    if last < 2:
+        raise RuntimeError(f"the straight run stopped by itself at step {last}: too soon for "
+                           f"a checkpoint to resume from before its stop")
+    plan = replace(plan, stopped_at=last)
+    _say(f"straight: stopped by itself at step {last} of {plan.steps}: the resume is judged "
+         f"over steps 1-{last}, killed after the step-{plan.half} checkpoint")
+    return plan
 
 
 # ---------------------------------------------------------------- main
