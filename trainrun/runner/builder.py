@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import inspect
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -45,6 +44,7 @@ from trainrun.runner.schema import (
     ConfigError,
     Fields,
     bad_value,
+    call_mismatch,
     expects,
     fields,
     integer,
@@ -80,12 +80,9 @@ def construct(key: str, kind: str, name: str, options: Mapping[str, Any]) -> Any
         target = resolve(kind, name)
     except ValueError as error:
         raise ConfigError(f"{key}.type: {error}") from None
-    try:
-        inspect.signature(target).bind(**options)
-    except TypeError as error:
-        raise ConfigError(f"{key}: {name} does not take these arguments: {error}") from None
-    except ValueError:
-        pass  # no signature to check against (a builtin): the call itself will tell
+    mismatch = call_mismatch(target, **options)
+    if mismatch is not None:
+        raise ConfigError(f"{key}: {name} does not take these arguments: {mismatch}")
     try:
         return target(**options)
     except ValueError as error:
@@ -172,13 +169,10 @@ def collate_function(key: str, value: str | Mapping[str, Any] | None) -> Any:
     if not callable(target):
         raise ConfigError(f"{named}: {name} is a {type(target).__name__}, expected a function "
                           f"that takes a batch (a list of samples)")
-    try:
-        inspect.signature(target).bind(None, **options)  # the batch, then the options
-    except TypeError as error:
+    mismatch = call_mismatch(target, None, **options)  # the batch, then the options
+    if mismatch is not None:
         raise ConfigError(f"{key}: {name} does not take a batch and these options "
-                          f"({', '.join(options) or 'none'}): {error}") from None
-    except ValueError:
-        pass  # no signature to check against (a builtin): the call itself will tell
+                          f"({', '.join(options) or 'none'}): {mismatch}")
     return partial(target, **options) if options else target
 
 

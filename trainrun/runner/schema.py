@@ -8,6 +8,7 @@ section (`seed.py`, `builder.py`, `optim.py`, ...); `config.py` puts them togeth
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -52,6 +53,20 @@ def unknown_key(key: str, name: Any, known: Iterable[str]) -> ConfigError:
     tail = (f"did you mean '{join(key, hint)}'?" if hint
             else f"expected one of {', '.join(known)}" if known else "it takes no options")
     return ConfigError(f"unknown key '{join(key, name)}'; {tail}")
+
+
+def call_mismatch(target: Callable[..., Any], *args: Any, **options: Any) -> str | None:
+    """Why ``target(*args, **options)`` would be refused for its arguments (TypeError's words),
+    or None where they bind to its signature, or it has none to read (a builtin: the call
+    itself will tell). Config sections that name a class or function check their options
+    with it before anything is built."""
+    try:
+        inspect.signature(target).bind(*args, **options)
+    except TypeError as error:
+        return str(error)
+    except ValueError:
+        return None
+    return None
 
 
 # ---------------------------------------------------------------- value checks

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from trainrun.runner.schema import ConfigError, Fields, fields, unknown_key
+from trainrun.runner.schema import ConfigError, Fields, call_mismatch, fields, unknown_key
 
 # The order of the built-in hooks at every point, after each training step in particular: the
 # step's time is taken, its numbers logged, validation runs where due, a hook of yours (NORMAL
@@ -54,17 +54,15 @@ class Hook:
         completed, where the class has a table of `OPTIONS`); a ConfigError names the key."""
         if cls.OPTIONS is not None:
             return fields(key, options, cls.OPTIONS)
-        signature = inspect.signature(cls)
-        params = signature.parameters
+        params = inspect.signature(cls).parameters
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             for name in options:
                 if name not in params:
                     raise unknown_key(key, name, ["type", "priority", *params])
-        try:
-            signature.bind(**options)
-        except TypeError as error:
+        mismatch = call_mismatch(cls, **options)
+        if mismatch is not None:
             raise ConfigError(f"{key}: {cls.__name__} does not take these arguments: "
-                              f"{error}") from None
+                              f"{mismatch}")
         return dict(options)
 
     def check(self, runner: Any) -> None:
