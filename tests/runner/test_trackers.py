@@ -85,3 +85,32 @@ def test_trackers_see_only_training_a_validation_alone_tracks_nothing(tmp_path):
     assert [c["call"] for c in calls] == ["start", "log", "finish"]
     assert calls[0]["config"] == {"name": "x"} and calls[0]["resume"] is True
     assert calls[1]["values"] == {"val/accuracy": 0.75} and calls[1]["step"] == 0
+
+
+def test_training_that_fails_closes_the_trackers_runs(tmp_path):
+    """on_error closes each tracker's run: with its `fail` where it has one, else `finish`
+    (RecordingTracker has none); one that cannot close its run is logged, not raised."""
+    from types import SimpleNamespace
+
+    from tests.tools.trackers import CALLS
+    from trainrun.runner.hooks.logger import LoggerHook
+
+    hook = LoggerHook(backends=["tests.tools.trackers.RecordingTracker"], progress_bar=False)
+    runner = SimpleNamespace(iter=0, max_iters=4, work_dir=tmp_path, cfg={"name": "x"},
+                             start_from=None)
+    hook.before_train(runner)
+    hook.on_error(runner, RuntimeError("boom"))
+    hook.on_error(runner, RuntimeError("again"))  # closed once
+    calls = [json.loads(line)["call"] for line in (tmp_path / CALLS).read_text().splitlines()]
+    assert calls == ["start", "finish"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
+                    reason="mlflow is not installed (pip install trainrun[mlflow])")
+@pytest.mark.parametrize(("error", "status"), [(RuntimeError("boom"), "FAILED"),
+                                               (KeyboardInterrupt(), "KILLED")])
+def test_an_mlflow_run_ended_by_an_error_is_failed_or_killed(tmp_path, error, status):
+    tracker = MLflowTracker()
+    tracker.start(tmp_path, {"name": "x"}, resume=False)
+    tracker.fail(error)
+    assert tracker.client.get_run(tracker.run_id).info.status == status

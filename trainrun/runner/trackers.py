@@ -12,6 +12,10 @@ makes one of each listed in ``logging.backends``, without arguments, and calls:
     ``{"val/accuracy": ...}`` for a validation one; ``step`` is the global iteration.
 ``finish()``
     once, when training ends.
+``fail(error)``, optional
+    instead of ``finish`` when training ends by an exception (a failure, a stop signal,
+    Ctrl-C), so that the tracker can close its run as failed or killed; a tracker without it
+    gets ``finish()``. No collectives: another rank may be gone.
 
 The shipped ones are ``tensorboard``, ``wandb`` and ``mlflow``; ``logging.backends`` takes any
 other by import path (``my_project.trackers.MyTracker``).
@@ -33,6 +37,7 @@ from typing import Any
 
 from trainrun.runner.files import write_atomically
 from trainrun.runner.logging import get_logger
+from trainrun.runner.preemption import Preempted
 from trainrun.runner.schema import ConfigError, bad_value, choice
 
 METHODS = ("start", "log", "finish")  # the interface
@@ -49,6 +54,15 @@ class Tracker:
 
     def finish(self) -> None:
         """Close the tracker's run."""
+
+    def fail(self, error: BaseException) -> None:
+        """Close the tracker's run, which ``error`` ended (this default: as `finish`)."""
+        self.finish()
+
+
+def stopped(error: BaseException) -> bool:
+    """Whether ``error`` is a stop (a signal, Ctrl-C) rather than a failure."""
+    return isinstance(error, (Preempted, KeyboardInterrupt))
 
 
 def _stored_id(path: Path, resume: bool) -> str | None:
@@ -99,6 +113,9 @@ class WandbTracker(Tracker):
 
     def finish(self) -> None:
         self.run.finish()
+
+    def fail(self, error: BaseException) -> None:
+        self.run.finish(exit_code=0 if stopped(error) else 1)
 
 
 class MLflowTracker(Tracker):
@@ -151,6 +168,9 @@ class MLflowTracker(Tracker):
 
     def finish(self) -> None:
         self.client.set_terminated(self.run_id)
+
+    def fail(self, error: BaseException) -> None:
+        self.client.set_terminated(self.run_id, status="KILLED" if stopped(error) else "FAILED")
 
 
 def params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

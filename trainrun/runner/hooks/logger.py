@@ -177,6 +177,19 @@ class LoggerHook(Hook):
             tracker.finish()
         self._tracking = False
 
+    def on_error(self, runner: Any, error: BaseException) -> None:
+        """Close the trackers' runs as ended by ``error`` (what they buffered is written)."""
+        for tracker in self.trackers if self._tracking else ():
+            fail = getattr(tracker, "fail", None)
+            try:
+                if fail is not None:
+                    fail(error)
+                else:
+                    tracker.finish()
+            except Exception:  # one tracker's failure must not hide the run's own error
+                get_logger().exception("%s could not close its run", type(tracker).__name__)
+        self._tracking = False
+
 
 def rank_counts(runner: Any) -> torch.Tensor:
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
