@@ -189,6 +189,15 @@ def test_without_transformers_the_model_is_refused_naming_the_extra(
                    "installed: pip install 'trainrun[hf]'")
 
 
+def test_without_transformers_an_import_path_to_the_model_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "trainrun.examples.hf_gpt2")
+    with pytest.raises(ValueError, match=r"^model type 'trainrun.examples.hf_gpt2:HFGPT2' "
+                                         r"needs transformers, which is not installed: "
+                                         r"pip install 'trainrun\[hf\]'"):
+        resolve("model", "trainrun.examples.hf_gpt2:HFGPT2")
+
+
 @pytest.mark.parametrize(("option", "words"), [
     ("model.n_head=3", "model: HFGPT2 refused its arguments: n_embd (128) must be a multiple "
                        "of n_head (3)"),
