@@ -58,8 +58,9 @@ install_torch() {
 install_system_packages
 make_venv
 install_torch
-# the trackers' packages (wandb, mlflow-skinny) take about 30 s more; their tests run offline
-say "pip install -e .[dev,mpi,wandb,mlflow] (deepspeed, mpi4py, pytest, trackers, ...)"
-"$VENV/bin/pip" install -q -e ".[dev,mpi,wandb,mlflow]"
+# the trackers' packages (wandb, mlflow-skinny) take about 30 s more; their tests run offline;
+# hf (transformers) is the Hugging Face example's, whose tests build GPT-2 without a download
+say "pip install -e .[dev,mpi,wandb,mlflow,hf] (deepspeed, mpi4py, pytest, trackers, transformers, ...)"
+"$VENV/bin/pip" install -q -e ".[dev,mpi,wandb,mlflow,hf]"
 echo "$fingerprint" > "$stamp"
 say "ready: $("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"

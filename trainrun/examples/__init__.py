@@ -19,6 +19,7 @@ from trainrun.dist.text import closest
 
 MODELS: dict[str, str] = {
     "DigitsMLP": "trainrun.examples.digits:DigitsMLP",
+    "HFGPT2": "trainrun.examples.hf_gpt2:HFGPT2",  # needs the extra hf (transformers)
     "TinyLM": "trainrun.examples.tinylm:TinyLM",
     "ToyGAN": "trainrun.examples.gan:ToyGAN",
 }
@@ -26,6 +27,7 @@ MODELS: dict[str, str] = {
 DATASETS: dict[str, str] = {
     "digits": "trainrun.examples.digits:DigitsDataset",
     "char_corpus": "trainrun.examples.tinylm:CharCorpus",
+    "char_lines": "trainrun.examples.tinylm:CharLines",
     "gaussian_mixture": "trainrun.examples.gan:GaussianMixture",
 }
 
@@ -52,6 +54,11 @@ COLLATES: dict[str, str] = {
 }
 
 
+# packages of trainrun's optional extras (pyproject.toml) that example modules import: a
+# class whose module needs a missing one cannot be named, and the error says what installs it
+EXTRAS: dict[str, str] = {"transformers": "hf"}
+
+
 REGISTRIES: dict[str, dict[str, Any]] = {"model": MODELS, "dataset": DATASETS, "metric": METRICS,
                                          "hook": HOOKS, "collate": COLLATES}
 
@@ -71,7 +78,7 @@ def resolve(kind: str, name: str) -> Any:
     registry = REGISTRIES[kind]
     if name in registry:
         target, defaults = _entry(registry[name])
-        found = import_target(target, kind)
+        found = import_target(target, kind, shown=name)
         return functools.partial(found, **defaults) if defaults else found
     if "." in name or ":" in name:
         try:
@@ -91,12 +98,14 @@ def _entry(entry: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]
     return (entry, {}) if isinstance(entry, str) else entry
 
 
-def import_target(path: str, kind: str = "object") -> Any:
+def import_target(path: str, kind: str = "object", shown: str | None = None) -> Any:
     """The object at ``pkg.module:attr`` (or ``pkg.module.attr``), imported now.
 
     A module that is missing, or an attribute the module lacks, is a ValueError naming
-    ``kind`` and ``path``; an import error raised inside an existing module is passed on
-    unchanged, since that is the module's own fault.
+    ``kind`` and ``path``; so is a module that needs a package of an optional extra
+    (`EXTRAS`) that is not installed, the error naming the extra to install and ``shown``
+    (the name the config wrote; default ``path``). Any other import error raised inside an
+    existing module is passed on unchanged, since that is the module's own fault.
     """
     module_name, sep, attribute = path.partition(":")
     if not sep:
@@ -106,6 +115,10 @@ def import_target(path: str, kind: str = "object") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
+        package = (error.name or "").partition(".")[0]
+        if package in EXTRAS:
+            raise ValueError(f"{kind} type {shown or path!r} needs {package}, which is not "
+                             f"installed: pip install 'trainrun[{EXTRAS[package]}]'") from None
         if error.name is None or not _is_prefix(error.name, module_name):
             raise
         raise ValueError(f"{kind} type {path!r}: no module named {error.name!r}") from None
@@ -129,5 +142,5 @@ def _registered(kind: str, registry: dict[str, Any]) -> str:
     return f"Registered {kind}s: {', '.join(sorted(registry))}"
 
 
-__all__ = ["COLLATES", "DATASETS", "HOOKS", "METRICS", "MODELS", "REGISTRIES", "import_target",
-           "resolve"]
+__all__ = ["COLLATES", "DATASETS", "EXTRAS", "HOOKS", "METRICS", "MODELS", "REGISTRIES",
+           "import_target", "resolve"]

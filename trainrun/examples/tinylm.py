@@ -31,6 +31,7 @@ STDLIB_FILES = (
 UNKNOWN_ID = 0
 VOCAB = "\n" + "".join(chr(code) for code in range(32, 127))  # ids 1.. in this order
 VOCAB_SIZE = len(VOCAB) + 1  # 97, the unknown id included
+NEWLINE_ID = 1 + VOCAB.index("\n")
 SPLITS = ("train", "val", "test")
 
 
@@ -116,6 +117,55 @@ class CharCorpus(Dataset):
         start = index * self.stride
         chunk = self.tokens[start:start + self.block_size + 1].long()
         return {"inputs": chunk[:-1], "labels": chunk[1:]}
+
+
+def line_pieces(tokens: Tensor, block_size: int, min_length: int) -> Tensor:
+    """Where ``tokens`` is cut into pieces of whole lines: offsets ``o`` such that piece ``i``
+    is ``tokens[o[i]:o[i + 1]]``.
+
+    Front to back, each piece is the longest run of at most ``block_size + 1`` characters that
+    ends with a line break and holds more than ``min_length`` characters; where no line break
+    fits (a long line), the piece is cut at ``block_size + 1``. The last piece may be shorter;
+    a final lone character is left out (it would predict nothing).
+    """
+    breaks = np.flatnonzero(tokens.numpy() == NEWLINE_ID)
+    offsets, start, total = [0], 0, len(tokens)
+    while total - start >= 2:
+        limit = min(start + block_size + 1, total)  # the piece ends before this
+        last = int(np.searchsorted(breaks, limit)) - 1  # the last break before limit
+        start = int(breaks[last]) + 1 if last >= 0 and breaks[last] >= start + min_length \
+            else limit
+        offsets.append(start)
+    return torch.tensor(offsets, dtype=torch.long)
+
+
+class CharLines(CharCorpus):
+    """`CharCorpus` text cut into pieces of whole lines, of varying length.
+
+    Items are ``{'inputs': int64[n], 'labels': int64[n]}`` (labels: the inputs shifted by one
+    character) with ``n`` between ``min_length`` and ``block_size``: a piece ends at the last
+    line break that fits (see `line_pieces`), so samples differ in length and a batch needs a
+    padding collate (``collate_fn: pad_sequences``). The pieces cover the split's text once,
+    in order; which pieces a step sees is the sampler's business, so a resumed run sees the
+    same ones.
+    """
+
+    def __init__(self, split: str = "train", block_size: int = 64, min_length: int = 16,
+                 val_fraction: float = 0.1, files: Sequence[str] | None = None):
+        if not 1 <= min_length <= block_size:
+            raise ValueError(f"min_length must be between 1 and block_size ({block_size}); "
+                             f"got {min_length}")
+        super().__init__(split, block_size, val_fraction=val_fraction, files=files)
+        self.offsets = line_pieces(self.tokens, block_size, min_length)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"piece {index} of {len(self)}")
+        piece = self.tokens[self.offsets[index]:self.offsets[index + 1]].long()
+        return {"inputs": piece[:-1], "labels": piece[1:]}
 
 
 class CausalSelfAttention(nn.Module):
