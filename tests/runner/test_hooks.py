@@ -255,7 +255,8 @@ def test_the_logger_asks_for_the_gradient_norm_of_the_logged_steps_only():
         def __setattr__(self, name, value):
             asked.append(value)  # each time the logger tells it
 
-    runner = SimpleNamespace(iter=0, max_iters=7, optim_wrapper=Wrapper())
+    runner = SimpleNamespace(iter=0, max_iters=7, optim_wrapper=Wrapper(),
+                             timer=IterTimerHook(), device=torch.device("cpu"))
     hook = LoggerHook(interval=3, backends=["jsonl"], progress_bar=False)
     wanted = []
     for step in range(1, 8):
@@ -322,6 +323,9 @@ def test_a_run_without_step_metrics_logs_the_same_losses_without_them(run_on, tm
                          (work_dir / "metrics.jsonl").read_text().splitlines()]
         for a, b in zip(lines[True], lines[False], strict=True):
             assert {"grad_norm", "samples_per_s", "peak_memory_mb"} <= set(a)
+            # the counts averaged while the step computed: 2 ranks' batches of 4 a step
+            assert a["samples_per_s"] * a["time"] == pytest.approx(8.0)
+            assert a["peak_memory_mb"] > 0
             assert set(b) == {"step", "epoch", "loss", "lr", "time", "data_time"}
             assert (a["loss"], a["lr"]) == (b["loss"], b["lr"])
 
