@@ -281,8 +281,12 @@ class LossSpy(Hook):
         self.losses.append(outputs["loss"].item())
 
 
+class LateLossSpy(LossSpy):
+    priority = 30  # after the logger
+
+
 def _run_logging_body(work_dir, step_metrics=True, clip_grad=None):
-    spy = LossSpy()
+    spy, late = LossSpy(), LateLossSpy()
     runner = Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
         train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32, "batch_size": 4},
@@ -290,10 +294,11 @@ def _run_logging_body(work_dir, step_metrics=True, clip_grad=None):
         schedule={"max_iters": 3}, randomness={"seed": 1, "diff_rank_seed": True},
         logging={"interval": 1, "backends": ["jsonl"], "step_metrics": step_metrics},
         checkpoint={"interval": 0},
-        hooks=[spy],
+        hooks=[spy, late],
     )
     runner.train()
     runner.close()
+    assert late.losses == spy.losses  # the logger averaged copies: later hooks see their own
     return spy.losses
 
 

@@ -111,10 +111,11 @@ class LoggerHook(Hook):
             self._bar.update(1)
         if not self.logs(runner.iter, runner.max_iters):
             return
-        # every rank takes part; a copy, so that later hooks see this rank's own outputs. The
-        # counts started before the step; without that (a step the hook did not see start),
-        # they go with the values
-        values = dict(outputs)
+        # every rank takes part; on copies, so that later hooks see this rank's own outputs (a
+        # dict of one tensor is reduced in that tensor's memory). The counts started before
+        # the step; without that (a step the hook did not see start), they go with the values
+        values = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in outputs.items()}
         if self.step_metrics and self._counts is None:
             values[COUNTS] = rank_counts(runner)
         values = all_reduce_dict(values, op="mean")
