@@ -12,7 +12,11 @@ the same batch, AdamW and an epoch-based schedule, under DDP on a 2-process gloo
   bucket_cap_mb=25)`` (the buckets of trainrun's ddp strategy, see `DDP_BUCKET_CAP_MB`),
   ``loss = ddp(batch)['loss']; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``.
 - ``runner``: ``trainrun.runner.runner.Runner`` built from config sections (model, data and
-  optimiser by name, strategy ddp, ``schedule: {max_epochs: E}``), ``runner.train()``.
+  optimiser by name, strategy ddp, ``schedule: {max_epochs: E}``), ``runner.train()``, with
+  the step metrics on (``logging.step_metrics: true``, the default: every logged line also
+  carries grad_norm, compute_time, samples_per_s, peak_memory_mb).
+- ``runner_off`` (with ``--step-metrics-off-too``): the same with ``logging.step_metrics:
+  false``, to see what the step metrics cost.
 - ``mmengine`` (when ``import mmengine`` works): MMEngine's ``Runner`` with its
   ``EpochBasedTrainLoop`` (its ``IterBasedTrainLoop`` sleeps 2 s at every epoch end of a
   ``DefaultSampler``), ``DefaultSampler``, ``default_collate`` and AdamW, the model wrapped
@@ -77,7 +81,7 @@ from trainrun.runner.hooks import Hook
 from trainrun.runner.runner import Runner
 from trainrun.wrappers.ddp import DDPStrategy
 
-CONTESTANTS = ("raw", "runner", "mmengine")
+CONTESTANTS = ("raw", "runner", "runner_off", "mmengine")
 # What trainrun's ddp strategy passes. Left as None, torch makes the first bucket 1 MiB, and a
 # model of a few MB then takes one more all_reduce a step: a difference of DDP settings, not of
 # the code around the step, so every contestant gets the same buckets.
@@ -255,7 +259,7 @@ def quiet_console() -> None:
             handler.setLevel(logging.WARNING)
 
 
-def train_runner(job: Job, interval: int, work_dir: Path) -> Result:
+def train_runner(job: Job, interval: int, work_dir: Path, step_metrics: bool = True) -> Result:
     clock = StepClock(job.warmup)
     runner = Runner(
         model=dict(job.model),
@@ -265,7 +269,7 @@ def train_runner(job: Job, interval: int, work_dir: Path) -> Result:
         strategy="ddp",
         schedule={"max_epochs": job.epochs},
         randomness={"seed": job.seed},
-        logging={"interval": interval, "backends": ["jsonl"]},
+        logging={"interval": interval, "backends": ["jsonl"], "step_metrics": step_metrics},
         checkpoint={"interval": 0, "save_last": False},
         hooks=[clock],
         launcher="none",  # the group is already there
@@ -409,6 +413,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-mmengine", action="store_true")
+    parser.add_argument("--step-metrics-off-too", action="store_true",
+                        help="also time the runner with logging.step_metrics false")
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -424,7 +430,8 @@ def main() -> int:
               args.warmup)
     check = Job(model, data, batch_size, args.lr, args.seed, args.check_epochs, 1, 1)
     why_not_mm = "--no-mmengine" if args.no_mmengine else mmengine_missing()
-    contestants = [c for c in CONTESTANTS if c != "mmengine" or why_not_mm is None]
+    contestants = [c for c in CONTESTANTS if (c != "mmengine" or why_not_mm is None)
+                   and (c != "runner_off" or args.step_metrics_off_too)]
     scratch = shared_tempdir()
     try:
         steps = len(DataLoader(job.build_dataset(), batch_size=batch_size,
@@ -432,7 +439,8 @@ def main() -> int:
         say(f"runner overhead bench: {args.workload} {model}, batch {batch_size} per rank, "
             f"AdamW, {world_size} ranks, gloo, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
             f", torch {torch.__version__}; {steps} steps an epoch, {args.epochs} epochs a run, "
-            f"timed after {args.warmup} steps; logging every {args.interval} steps")
+            f"timed after {args.warmup} steps; logging every {args.interval} steps (the "
+            f"runner's with its step metrics)")
         if why_not_mm is not None:
             say(f"MMEngine: skipped ({why_not_mm})")
 
@@ -464,13 +472,18 @@ def main() -> int:
                     results[name] = train_raw(job, args.interval, scratch / f"raw-{r}")
                 elif name == "runner":
                     results[name] = train_runner(job, args.interval, scratch / f"runner-{r}")
+                elif name == "runner_off":
+                    results[name] = train_runner(job, args.interval, scratch / f"off-{r}",
+                                                 step_metrics=False)
                 else:
                     results[name] = train_mmengine(job, args.interval, scratch / f"mm-{r}",
                                                    f"round{r}")
                 wall[name].append(results[name].seconds_per_step)
             if rank == 0:
-                same, _ = bits_equal(results["runner"].losses, results["raw"].losses)
-                timed_ok = timed_ok and same
+                for name in ("runner", "runner_off"):
+                    if name in results:
+                        same, _ = bits_equal(results[name].losses, results["raw"].losses)
+                        timed_ok = timed_ok and same
             say(f"round {r + 1:2d}: " + "  ".join(
                 f"{name} {results[name].seconds_per_step * 1e3:.3f} ms/step" for name in order))
 
@@ -485,6 +498,12 @@ def main() -> int:
                 f"rounds' own ratios")
         say(f"timed runs: runner's logged losses equal the raw loop's at every logged step: "
             f"{'yes' if timed_ok else 'NO'}")
+        if "runner_off" in median:
+            paired = statistics.median(a / b for a, b in zip(wall["runner"], wall["runner_off"],
+                                                             strict=True))
+            say(f"step metrics on/off (runner/runner_off): "
+                f"{median['runner'] / median['runner_off']:.3f} by medians, {paired:.3f} median "
+                f"of the rounds' own ratios")
         ratio = median["runner"] / median["raw"]
         say(f"runner overhead vs raw PyTorch DDP: {ratio:.3f}"
             f"  (target <= 1.02: {'met' if ratio <= 1.02 else 'NOT met'})")

@@ -67,7 +67,8 @@ def test_minimal_config_gets_every_default(tmp_path):
     assert plain["precision"] == "fp32"
     assert plain["schedule"] == {"max_epochs": 10, "max_iters": None, "val_interval": 1}
     assert plain["randomness"] == {"seed": 42, "deterministic": False, "diff_rank_seed": False}
-    assert plain["logging"] == {"interval": 10, "backends": ["console", "jsonl"]}
+    assert plain["logging"] == {"interval": 10, "backends": ["console", "jsonl"],
+                                "step_metrics": True}
     assert plain["checkpoint"] == {"interval": 1, "max_keep": 3, "save_last": True,
                                    "save_best": None, "best_rule": None, "async": False}
     assert plain["resume"] is False
@@ -341,6 +342,7 @@ BAD_OVERRIDES = [
     (["logging.backends=console"], "logging.backends: got 'console', expected a list of"),
     (["logging.backend=[console]"], "unknown key 'logging.backend'; "
                                     "did you mean 'logging.backends'?"),
+    (["logging.step_metrics=some"], "logging.step_metrics: got 'some', expected true or false"),
     (["checkpoint.interval=-1"], "checkpoint.interval: got -1, expected an int >= 0"),
     (["checkpoint.max_keep=0"], "checkpoint.max_keep: got 0, expected an int >= 1, or -1"),
     (["checkpoint.save_last=1"], "checkpoint.save_last: got 1, expected true or false"),

@@ -189,7 +189,7 @@ def test_save_best_in_a_run(tmp_path, rule):
 # ---------------------------------------------------------------- logger hook
 
 
-def _logger_body(base):
+def _logger_body(base, step_metrics=True):
     rank = dist.get_rank()
     work_dir = Path(base) / f"rank{rank}"
     work_dir.mkdir()
@@ -198,8 +198,9 @@ def _logger_body(base):
                              start_from=None,
                              metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
                              optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
-                             timer=IterTimerHook())
-    hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False)
+                             timer=IterTimerHook(count_batches=step_metrics))
+    hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False,
+                      step_metrics=step_metrics)
     hook.before_train(runner)
     for step in range(1, 6):
         runner.iter = step
@@ -210,11 +211,15 @@ def _logger_body(base):
     return rank
 
 
+def _logged(base):
+    lines = (Path(base) / "rank0" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
 def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
     run_on(2)(_logger_body, str(tmp_path))
     assert not (tmp_path / "rank1" / "metrics.jsonl").exists()
-    lines = (tmp_path / "rank0" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
+    records = _logged(tmp_path)
     train = [r for r in records if "mode" not in r]
     assert [r["step"] for r in train] == [2, 4, 5]  # every 2 steps and the last
     for record in train:
@@ -228,6 +233,44 @@ def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
     assert records[-1] == {"step": 5, "mode": "val", "mse": 0.25, "accuracy": 0.5}
 
 
+def test_without_step_metrics_the_logger_writes_the_same_means_and_no_metrics(run_on, tmp_path):
+    on, off = tmp_path / "on", tmp_path / "off"
+    on.mkdir(), off.mkdir()
+    run_on(2)(_logger_body, str(on))
+    run_on(2)(_logger_body, str(off), False)
+    train_on = [r for r in _logged(on) if "mode" not in r]
+    train_off = [r for r in _logged(off) if "mode" not in r]
+    for a, b in zip(train_on, train_off, strict=True):
+        assert list(b) == ["step", "epoch", "loss", "loss_x", "lr", "time", "data_time"]
+        assert {k: a[k] for k in ("step", "epoch", "loss", "loss_x", "lr")} \
+            == {k: b[k] for k in ("step", "epoch", "loss", "loss_x", "lr")}
+
+
+def test_the_logger_asks_for_the_gradient_norm_of_the_logged_steps_only():
+    asked: list[bool] = []
+
+    class Wrapper:
+        measure_grad_norm = None
+
+        def __setattr__(self, name, value):
+            asked.append(value)  # each time the logger tells it
+
+    runner = SimpleNamespace(iter=0, max_iters=7, optim_wrapper=Wrapper(),
+                             timer=IterTimerHook(), device=torch.device("cpu"))
+    hook = LoggerHook(interval=3, backends=["jsonl"], progress_bar=False)
+    wanted = []
+    for step in range(1, 8):
+        hook.before_train_iter(runner, step - 1, None)
+        wanted.append(asked[-1])
+        runner.iter = step
+    assert wanted == [False, False, True, False, False, True, True]  # steps 3, 6 and the last
+    assert asked == [False, True, False, True]  # told when the answer changes only
+    off = LoggerHook(interval=3, backends=["jsonl"], progress_bar=False, step_metrics=False)
+    runner.iter, asked[:] = 2, []
+    off.before_train_iter(runner, 2, None)
+    assert asked == []
+
+
 class LossSpy(Hook):
     priority = 5
 
@@ -238,18 +281,24 @@ class LossSpy(Hook):
         self.losses.append(outputs["loss"].item())
 
 
-def _run_logging_body(work_dir):
-    spy = LossSpy()
+class LateLossSpy(LossSpy):
+    priority = 30  # after the logger
+
+
+def _run_logging_body(work_dir, step_metrics=True, clip_grad=None):
+    spy, late = LossSpy(), LateLossSpy()
     runner = Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
         train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32, "batch_size": 4},
-        optim={"type": "SGD", "lr": 0.01}, strategy="ddp", schedule={"max_iters": 3},
-        randomness={"seed": 1, "diff_rank_seed": True},
-        logging={"interval": 1, "backends": ["jsonl"]}, checkpoint={"interval": 0},
-        hooks=[spy],
+        optim={"type": "SGD", "lr": 0.01, "clip_grad": clip_grad}, strategy="ddp",
+        schedule={"max_iters": 3}, randomness={"seed": 1, "diff_rank_seed": True},
+        logging={"interval": 1, "backends": ["jsonl"], "step_metrics": step_metrics},
+        checkpoint={"interval": 0},
+        hooks=[spy, late],
     )
     runner.train()
     runner.close()
+    assert late.losses == spy.losses  # the logger averaged copies: later hooks see their own
     return spy.losses
 
 
@@ -264,6 +313,26 @@ def test_a_run_logs_the_loss_averaged_over_ranks(run_on, tmp_path):
     expected = [((torch.tensor(a) + torch.tensor(b)) / 2).item()
                 for a, b in zip(own0, own1, strict=True)]
     assert logged == expected
+
+
+def test_a_run_without_step_metrics_logs_the_same_losses_without_them(run_on, tmp_path):
+    """The switch changes what is logged, not what is trained: with clipping (which measures
+    the norm anyway) and without, the losses and learning rates are the same bits, and
+    grad_norm, the rates and the memory are absent."""
+    for clip in (None, 1e-3):
+        lines = {}
+        for on in (True, False):
+            work_dir = tmp_path / f"{clip}-{on}"
+            run_on(2)(_run_logging_body, str(work_dir), on, clip)
+            lines[on] = [json.loads(line) for line in
+                         (work_dir / "metrics.jsonl").read_text().splitlines()]
+        for a, b in zip(lines[True], lines[False], strict=True):
+            assert {"grad_norm", "samples_per_s", "peak_memory_mb"} <= set(a)
+            # the counts averaged while the step computed: 2 ranks' batches of 4 a step
+            assert a["samples_per_s"] * a["time"] == pytest.approx(8.0)
+            assert a["peak_memory_mb"] > 0
+            assert set(b) == {"step", "epoch", "loss", "lr", "time", "data_time"}
+            assert (a["loss"], a["lr"]) == (b["loss"], b["lr"])
 
 
 # ---------------------------------------------------------------- validation and timing
@@ -298,6 +367,10 @@ def test_iter_timer_averages_over_its_window(monkeypatch):
     ([torch.zeros(()), (torch.zeros(4, 2),)], (4, None)),  # the first with a batch dimension
     ({"num_tokens": torch.tensor([7, 9]), "x": {"ids": torch.zeros(2, 9)}}, (2, 16)),
     ({"num_tokens": 100, "x": torch.zeros(3)}, (3, 100)),
+    ((torch.zeros(6, 2), torch.zeros(6)), (6, None)),
+    ({"scale": torch.zeros(()), "x": [torch.zeros(7)]}, (7, None)),  # a 0-d tensor first
+    ([], (0, None)),
+    ({}, (0, None)),
     ("text", (0, None)),
 ])
 def test_batch_counts_samples_and_stated_tokens(batch, counts):
@@ -315,6 +388,14 @@ def test_the_timer_window_counts_tokens_only_when_every_batch_states_them():
     assert (samples, tokens) == (7, 14) and seconds == sum(timer.iter_times)
     timer.before_train_iter(None, 0, {"x": torch.zeros(1)})
     assert timer.window_counts()[2] is None
+
+
+def test_the_timer_counts_no_batches_when_told_not_to():
+    timer = IterTimerHook(count_batches=False)
+    timer.before_train_epoch(None)
+    timer.before_train_iter(None, 0, {"x": torch.zeros(2), "num_tokens": 4})
+    timer.after_train_iter(None, 0, None, {})
+    assert timer.window_counts()[1:] == (0, None) and len(timer.data_times) == 1
 
 
 def test_peak_memory_on_cpu_is_the_process_peak_rss():

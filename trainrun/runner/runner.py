@@ -190,13 +190,12 @@ class Runner:
             self.start_from = self._start_point()  # damaged: refused before anything is written
             self._check_fits(shapes)  # another model's: the same
             extra_hooks = self._extra_hooks(hooks)  # a hook's bad option: the same
+            logging = self._section(check_logging, "logging", logging)  # and the logging's
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
             self._prepare_work_dir()
             self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
-            self.timer = IterTimerHook()
-            self.hooks = self._hooks(extra_hooks, self._section(check_logging, "logging",
-                                                                logging),
-                                     checkpoint, schedule["val_interval"])
+            self.timer = IterTimerHook(count_batches=logging["step_metrics"])
+            self.hooks = self._hooks(extra_hooks, logging, checkpoint, schedule["val_interval"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
             self.iter = 0  # finished training iterations
             self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
@@ -429,7 +428,8 @@ class Runner:
 
     def _hooks(self, extra: Sequence[Hook], logging: dict[str, Any],
                checkpoint: dict[str, Any], val_interval: int) -> list[Hook]:
-        hooks: list[Hook] = [self.timer, LoggerHook(logging["interval"], logging["backends"])]
+        hooks: list[Hook] = [self.timer, LoggerHook(logging["interval"], logging["backends"],
+                                                    step_metrics=logging["step_metrics"])]
         if self.val_dataloader is not None:
             hooks.append(ValidationHook(val_interval))
         if self.train_dataloader is not None:

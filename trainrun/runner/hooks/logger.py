@@ -2,7 +2,8 @@
 
 Every ``interval`` iterations the logged values are averaged over the ranks (one small
 collective on every rank) and rank 0 writes them, with the step metrics (`STEP_METRICS`:
-gradient norm, throughput, where the time went, peak memory; in the same collective).
+gradient norm, throughput, where the time went, peak memory; the ranks' counts averaged while
+the logged step computes) unless ``logging.step_metrics`` is false.
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -21,11 +22,11 @@ from typing import Any
 
 import torch
 
-from trainrun.dist import all_reduce_dict, get_dist_info, is_main_process
+from trainrun.dist import Handle, all_reduce, all_reduce_dict, get_dist_info, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
-from trainrun.runner.schema import expects, fields, integer, names
+from trainrun.runner.schema import BOOL, expects, fields, integer, names
 from trainrun.runner.trackers import BUILT_IN, check_backend, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
@@ -56,8 +57,11 @@ class LoggerHook(Hook):
     priority = LOGGER  # see hooks/base.py for the order
 
     def __init__(self, interval: int = INTERVAL, backends: list[str] | None = None,
-                 progress_bar: bool | None = None):
+                 progress_bar: bool | None = None, step_metrics: bool = True):
         self.interval = interval
+        self.step_metrics = step_metrics
+        self._measuring: bool | None = None  # what the optimiser wrapper was last asked
+        self._counts: tuple[torch.Tensor, Handle] | None = None  # see before_train_iter
         self.backends = list(backends or BACKENDS)
         show_bar = sys.stderr.isatty() if progress_bar is None else progress_bar
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
@@ -69,6 +73,7 @@ class LoggerHook(Hook):
 
     def before_train(self, runner: Any) -> None:
         self._started = (time.monotonic(), runner.iter)
+        self._measuring = None
         if self.trackers:
             config, resume = tracker_config(runner), resuming(runner)
             for tracker in self.trackers:
@@ -85,9 +90,20 @@ class LoggerHook(Hook):
         return every(step, self.interval) or step == max_iters
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
-        # the gradient norm, on the steps logged only: without clipping it costs a pass over
-        # the gradients
-        measure_grad_norm(runner.optim_wrapper, self.logs(runner.iter + 1, runner.max_iters))
+        """Before a step that is logged, with the step metrics: ask the optimiser wrapper for
+        the gradient norm (without clipping it costs a pass over the gradients; the wrapper is
+        told only when the answer changes), and start averaging the ranks' counts, so that
+        they travel while the step computes: in the logged values' collective, 4 more
+        numbers cost gloo more than a 1-number one, twice the time for a loss alone."""
+        if not self.step_metrics:
+            return
+        logs = self.logs(runner.iter + 1, runner.max_iters)
+        if logs is not self._measuring:
+            measure_grad_norm(runner.optim_wrapper, logs)
+            self._measuring = logs
+        if logs:
+            counts = rank_counts(runner)
+            self._counts = (counts, all_reduce(counts, op="mean", async_op=True))
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
@@ -95,15 +111,27 @@ class LoggerHook(Hook):
             self._bar.update(1)
         if not self.logs(runner.iter, runner.max_iters):
             return
-        # every rank takes part; a copy, so that later hooks see this rank's own outputs
-        values = all_reduce_dict({**outputs, COUNTS: rank_counts(runner)}, op="mean")
+        # every rank takes part; on copies, so that later hooks see this rank's own outputs (a
+        # dict of one tensor is reduced in that tensor's memory). The counts started before
+        # the step; without that (a step the hook did not see start), they go with the values
+        values = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in outputs.items()}
+        if self.step_metrics and self._counts is None:
+            values[COUNTS] = rank_counts(runner)
+        values = all_reduce_dict(values, op="mean")
+        counts = values.pop(COUNTS, None)
+        if self._counts is not None:
+            counts, handle = self._counts
+            self._counts = None
+            handle.wait()
         if not is_main_process():
             return
-        metrics = step_metrics(runner, values.pop(COUNTS))
         record = {"step": runner.iter, "epoch": runner.epoch + 1,
                   **{k: _number(v) for k, v in values.items()}, "lr": runner.optim_wrapper.get_lr()}
         timer = runner.timer
-        record.update(time=timer.iter_time, data_time=timer.data_time, **metrics)
+        record.update(time=timer.iter_time, data_time=timer.data_time)
+        if counts is not None:
+            record.update(step_metrics(runner, counts))
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
         if self._tracking:
@@ -194,15 +222,13 @@ class LoggerHook(Hook):
 def rank_counts(runner: Any) -> torch.Tensor:
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
     over the timer's window, and its peak memory in a slot of its own (so that a mean over
-    the ranks keeps every rank's). Averaged with the logged values, in the same collective
-    (float32, as a loss is: one flat tensor; each value is reduced on its own, so the loss's
-    bits do not change)."""
+    the ranks keeps every rank's). Averaged over the ranks (float32, as a loss is) while the
+    logged step computes (`LoggerHook.before_train_iter`; the timer has counted its batch)."""
     _, samples, tokens = runner.timer.window_counts()
     rank, world_size = get_dist_info()
-    counts = torch.zeros(2 + world_size)
-    counts[0], counts[1] = samples, tokens or 0
-    counts[2 + rank] = peak_memory_mb(runner.device)
-    return counts
+    peaks = [0.0] * world_size
+    peaks[rank] = peak_memory_mb(runner.device)
+    return torch.tensor([float(samples), float(tokens or 0), *peaks])  # one float32 tensor
 
 
 def step_metrics(runner: Any, counts: torch.Tensor) -> dict[str, float]:
@@ -213,7 +239,8 @@ def step_metrics(runner: Any, counts: torch.Tensor) -> dict[str, float]:
     timer = runner.timer
     out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
     seconds, _, tokens = timer.window_counts()
-    summed = (counts.double() * get_dist_info()[1]).tolist()
+    world_size = get_dist_info()[1]
+    summed = [count * world_size for count in counts.tolist()]  # float32 means, in doubles
     out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
     out["samples_per_s"] = round(summed[0]) / seconds if seconds else 0.0
     if tokens is not None:
@@ -244,10 +271,12 @@ BACKEND = expects(f"one of {', '.join((*BACKENDS, *BUILT_IN))} or a tracker clas
 def check_logging(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     """The ``logging`` section: each backend is one of the logger's own outputs, a shipped
     tracker (wandb and mlflow must be installed; tensorboard is dropped with a warning where
-    it is not) or a tracker class by import path."""
+    it is not) or a tracker class by import path; ``step_metrics`` false logs the values,
+    lr, time and data_time alone (none of the step metrics' work is done)."""
     out = fields(key, value, {
         "interval": (INTERVAL, integer(1)),
         "backends": (list(BACKENDS), names(BACKEND)),
+        "step_metrics": (True, BOOL),
     })
     if "tensorboard" in out["backends"] and importlib.util.find_spec("tensorboard") is None:
         out["backends"].remove("tensorboard")

@@ -18,6 +18,14 @@ def batch_counts(batch: Any) -> tuple[int, int | None]:
     """How many samples a batch holds (the length of its first tensor with a batch dimension,
     searched depth first) and how many tokens: where it is a dict holding `TOKENS`, a number,
     or one per sample (what collating a per-sample count makes), summed; else None."""
+    # the usual batch first, without the search: a dict or list whose first item is the tensor
+    kind, first = type(batch), None
+    if kind is dict and batch and TOKENS not in batch:
+        first = next(iter(batch.values()))
+    elif (kind is list or kind is tuple) and batch:
+        first = batch[0]
+    if isinstance(first, Tensor) and first.dim() > 0:
+        return first.shape[0], None
     tokens = batch.get(TOKENS) if isinstance(batch, Mapping) else None
     if tokens is not None:
         tokens = int(tokens.sum()) if isinstance(tokens, Tensor) else int(tokens)
@@ -35,11 +43,13 @@ def batch_counts(batch: Any) -> tuple[int, int | None]:
 
 class IterTimerHook(Hook):
     """Keeps the iteration and data times, and the samples (and tokens) of this rank's
-    batches, over the last ``window`` iterations."""
+    batches (unless ``count_batches`` is false: the logger's step metrics are off), over the
+    last ``window`` iterations."""
 
     priority = TIMER  # see hooks/base.py for the order
 
-    def __init__(self, window: int = 50):
+    def __init__(self, window: int = 50, count_batches: bool = True):
+        self.count_batches = count_batches
         self.iter_times: deque[float] = deque(maxlen=window)
         self.data_times: deque[float] = deque(maxlen=window)
         self.samples: deque[int] = deque(maxlen=window)
@@ -51,9 +61,10 @@ class IterTimerHook(Hook):
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
         self.data_times.append(time.perf_counter() - self._last)
-        samples, tokens = batch_counts(batch)
-        self.samples.append(samples)
-        self.tokens.append(tokens)
+        if self.count_batches:
+            samples, tokens = batch_counts(batch)
+            self.samples.append(samples)
+            self.tokens.append(tokens)
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
