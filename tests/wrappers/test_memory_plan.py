@@ -8,6 +8,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 from trainrun.cli import train as train_tool
 from trainrun.runner.builder import plan_memory
 from trainrun.runner.config import load_config
+from trainrun.runner.hooks.base import Hook
 from trainrun.runner.optim import _STATES, state_tensors
 from trainrun.runner.runner import Runner
 from trainrun.wrappers.memory import KINDS, PeakWatch
@@ -129,6 +131,18 @@ STRATEGIES = {
 }
 
 
+class AfterEachStep(Hook):
+    """Measures what the rank holds after each training step (the optimiser's hooks measure
+    around its step)."""
+
+    def __init__(self, watch: PeakWatch):
+        self.watch = watch
+
+    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
+                         outputs: Any = None) -> None:
+        self.watch.take()
+
+
 def _plan_and_measure(config: str, overrides: list[str], work_dir: str) -> tuple[dict, dict]:
     """On every rank: the plan for this job's size, and the peak this rank held by kind over
     2 training steps."""
@@ -138,6 +152,7 @@ def _plan_and_measure(config: str, overrides: list[str], work_dir: str) -> tuple
     with Runner.from_cfg(cfg) as runner:
         watch = PeakWatch(runner.optimizer, lambda: runner.strategy.state_tensors(
             runner.model, runner.optimizer))
+        runner.hooks.append(AfterEachStep(watch))
         runner.train()
         watch.close()
     assert watch.steps == 2

@@ -168,7 +168,7 @@ NOT_COUNTED = ("not counted: activations, temporary buffers (communication, gath
 def _bytes(state: StateBytes, where: dict[str, int]) -> str:
     parts = [f"{LABELS[kind]} {human(where[kind])}" for kind in KINDS]
     if not state.optim_known:
-        parts[-1] = "optimiser state not known (an optimiser this plan does not know)"
+        parts[-1] = "optimiser state not known (this plan does not know the optimiser's)"
     return ", ".join(parts)
 
 

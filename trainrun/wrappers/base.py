@@ -73,6 +73,8 @@ class Strategy(ABC):
     own (a directory) overrides the classmethods `owns_checkpoint`, `look_inside`,
     `read_state`, `read_weights` and `model_shapes`; the runner, the checkpoint manager,
     export and test find it through `checkpoint_format`, which asks the registered strategies.
+    A strategy that shards or offloads overrides `memory_plan` (what ``--dry-run`` plans per
+    rank) and, where it holds state outside the module and optimiser, `state_tensors`.
     """
 
     name: ClassVar[str]

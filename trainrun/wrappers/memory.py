@@ -131,9 +131,11 @@ def measure(tensors: Mapping[str, Iterable[Tensor | None]], on_cpu_device: bool 
 
 class PeakWatch:
     """The most bytes of each kind a running job's rank held, measured (`measure`) just before
-    and just after every step of its torch optimiser(s): before, the gradients are there
-    (reduced, and under DeepSpeed also in fp32 for the step); after, the optimiser's state.
-    ``tensors()`` gives the tensors by kind (`Strategy.state_tensors` of the run's model)."""
+    and just after every step of its torch optimiser(s), and whenever `take` is called (after
+    each training step, say: ZeRO-3 gathers its small parameters again only then): before
+    the step the gradients are there (reduced, and under DeepSpeed also in fp32 for the
+    step); after it, the optimiser's state. ``tensors()`` gives the tensors by kind
+    (`Strategy.state_tensors` of the run's model)."""
 
     def __init__(self, optimizer: object, tensors: Callable[[], Mapping[str, Iterable[Tensor]]],
                  on_cpu_device: bool = True):
@@ -142,9 +144,9 @@ class PeakWatch:
         self._tensors, self._on_cpu = tensors, on_cpu_device
         optimizers = optimizer.values() if isinstance(optimizer, Mapping) else [optimizer]
         self._handles = [handle for one in optimizers for handle in (
-            one.register_step_pre_hook(self._take), one.register_step_post_hook(self._stepped))]
+            one.register_step_pre_hook(self.take), one.register_step_post_hook(self._stepped))]
 
-    def _take(self, *_: object) -> None:
+    def take(self, *_: object) -> None:
         found = measure(self._tensors(), self._on_cpu)
         for kind in KINDS:
             self.peak.device[kind] = max(self.peak.device[kind], found.device[kind])
@@ -152,7 +154,7 @@ class PeakWatch:
 
     def _stepped(self, *_: object) -> None:
         self.steps += 1
-        self._take()
+        self.take()
 
     def close(self) -> None:
         for handle in self._handles:
