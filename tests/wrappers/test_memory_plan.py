@@ -20,7 +20,8 @@ from trainrun.runner.config import load_config
 from trainrun.runner.hooks.base import Hook
 from trainrun.runner.optim import _STATES, state_tensors
 from trainrun.runner.runner import Runner
-from trainrun.wrappers.memory import KINDS, PeakWatch
+from trainrun.wrappers import STRATEGIES as STRATEGY_CLASSES
+from trainrun.wrappers.memory import KINDS, PeakWatch, param_specs
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2]
                                                    / ".venv" / "torch_extensions"))
@@ -173,3 +174,18 @@ def test_the_plan_is_within_10_percent_of_what_2_ranks_hold(run_on, tmp_path, na
     for kind in KINDS:
         held = max(measured[kind] for _, measured in results)
         assert held > 0 and planned[kind] == pytest.approx(held, rel=0.10), (kind, results)
+
+
+def test_frozen_parameters_have_no_gradient_or_optimiser_state():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 100))
+    model[0].requires_grad_(False)
+    specs = param_specs(model, lambda name: 2)
+    cfg = {"strategy": {"type": "fsdp"}, "optim": {"type": "AdamW"}, "precision": "fp32"}
+    whole, half = 10100 * 4, 10100 * 4 // 2
+    ddp = STRATEGY_CLASSES["ddp"].memory_plan(specs, 2, cfg)
+    assert (ddp.kind("params"), ddp.kind("grads"), ddp.kind("optim")) == (2 * whole, whole,
+                                                                         2 * whole)
+    fsdp = STRATEGY_CLASSES["fsdp"].memory_plan(specs, 2, cfg, model)
+    assert (fsdp.kind("params"), fsdp.kind("grads"), fsdp.kind("optim")) == (2 * half, half,
+                                                                           2 * half)
