@@ -47,6 +47,13 @@ CASES = {
     "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
     "zero2 bf16": ["strategy.type=deepspeed", "strategy.zero_stage=2", "precision=bf16"],
     "zero3 bf16": ["strategy.type=deepspeed", "strategy.zero_stage=3", "precision=bf16"],
+    # offloaded: on a CPU-only machine the CPU is the device too: the totals are compared
+    "fsdp offload": ["strategy.type=fsdp", "strategy.wrap={classes: [Block]}",
+                     "strategy.cpu_offload=true"],
+    "zero2 offload": ["strategy.type=deepspeed", "strategy.zero_stage=2",
+                      "strategy.offload_optimizer=true"],
+    "zero3 offload": ["strategy.type=deepspeed", "strategy.zero_stage=3",
+                      "strategy.offload_optimizer=true", "strategy.offload_param=true"],
 }
 SEVEN_B = ["model.n_embd=4096", "model.n_head=32", "model.n_layer=34", "model.block_size=2048"]
 BAR = 0.10
@@ -55,6 +62,22 @@ MIB = 2 ** 20
 
 def _cfg(case: str, model: list[str], work_dir: str = "unused") -> Any:
     return load_config(str(CONFIG), [*RUN, *model, *CASES[case], f"work_dir={work_dir}"])
+
+
+def after_deepspeed_backward(runner: Runner, watch: PeakWatch) -> None:
+    """Under DeepSpeed, measure also right after its engine's backward: ZeRO-1/2 hold their
+    reduced gradients there, before the optimiser step takes its fp32 partition of them."""
+    engine = getattr(runner.strategy, "engine", None)
+    if engine is None:
+        return
+    backward = engine.backward
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        result = backward(*args, **kwargs)
+        watch.take()
+        return result
+
+    engine.backward = measured
 
 
 class AfterEachStep(Hook):
@@ -75,6 +98,7 @@ def _measure(case: str, model: list[str], work_dir: str) -> dict[str, int]:
         watch = PeakWatch(runner.optimizer, lambda: runner.strategy.state_tensors(
             runner.model, runner.optimizer))
         runner.hooks.append(AfterEachStep(watch))
+        after_deepspeed_backward(runner, watch)
         runner.train()
         watch.close()
     return {kind: watch.peak.kind(kind) for kind in KINDS}
@@ -92,7 +116,8 @@ def planned(case: str, model: list[str], world_size: int) -> StateBytes | str:
 
 def deepspeed_estimate(case: str, model: list[str], world_size: int) -> float | None:
     """DeepSpeed's per-GPU estimate for a ZeRO case (its functions for a model's parameter
-    count, one node of ``world_size`` GPUs, no offload); None for the others."""
+    count, one node of ``world_size`` GPUs; with offload, its GPU figure plus a GPU's share of
+    its node's CPU figure, which includes its 1.5 buffer factor); None for the others."""
     if not case.startswith("zero"):
         return None
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -100,12 +125,16 @@ def deepspeed_estimate(case: str, model: list[str], world_size: int) -> float | 
 
     meta = build_meta_model(OmegaConf.to_container(_cfg(case, model), resolve=True))
     total = sum(p.numel() for p in meta.parameters())
+    offload = case.endswith("offload")
     if case.startswith("zero3"):
         largest = max(sum(p.numel() for p in m.parameters(recurse=False))
                       for m in meta.modules())
-        return estimate_zero3_model_states_mem_needs(
-            total, largest, world_size, 1, cpu_offload=False, cpu_offload_params=False)[1]
-    return estimate_zero2_model_states_mem_needs(total, world_size, 1, cpu_offload=False)[1]
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total, largest, world_size, 1, cpu_offload=offload, cpu_offload_params=offload)
+    else:
+        cpu, gpu = estimate_zero2_model_states_mem_needs(total, world_size, 1,
+                                                         cpu_offload=offload)
+    return gpu + (cpu / world_size if offload else 0)  # its CPU figure is the node's
 
 
 def _mib(nbytes: float) -> str:

@@ -129,7 +129,29 @@ STRATEGIES = {
     "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],
     "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
     "zero3-bf16": ["strategy.type=deepspeed", "strategy.zero_stage=3", "precision=bf16"],
+    # offloaded: the CPU is this machine's device too, so the kinds' totals are compared
+    "fsdp-offload": ["strategy.type=fsdp", "strategy.cpu_offload=true"],
+    "zero2-offload": ["strategy.type=deepspeed", "strategy.zero_stage=2",
+                      "strategy.offload_optimizer=true"],
+    "zero3-offload": ["strategy.type=deepspeed", "strategy.zero_stage=3",
+                      "strategy.offload_optimizer=true", "strategy.offload_param=true"],
 }
+
+
+def after_deepspeed_backward(runner: Runner, watch: PeakWatch) -> None:
+    """Under DeepSpeed, measure also right after its engine's backward: ZeRO-1/2 hold their
+    reduced gradients there, before the optimiser step takes its fp32 partition of them."""
+    engine = getattr(runner.strategy, "engine", None)
+    if engine is None:
+        return
+    backward = engine.backward
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        result = backward(*args, **kwargs)
+        watch.take()
+        return result
+
+    engine.backward = measured
 
 
 class AfterEachStep(Hook):
@@ -154,6 +176,7 @@ def _plan_and_measure(config: str, overrides: list[str], work_dir: str) -> tuple
         watch = PeakWatch(runner.optimizer, lambda: runner.strategy.state_tensors(
             runner.model, runner.optimizer))
         runner.hooks.append(AfterEachStep(watch))
+        after_deepspeed_backward(runner, watch)
         runner.train()
         watch.close()
     assert watch.steps == 2

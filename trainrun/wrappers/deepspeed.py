@@ -354,8 +354,8 @@ def zero_memory_plan(specs: Sequence[ParamSpec], world_size: int,
     - stage 0: T and F whole; under 16 bits also an fp32 master copy of T and fp32 gradients
       beside the 16-bit ones; the optimiser's state in fp32, whole.
     - stages 1 and 2: T and F whole, plus an fp32 master partition of T (a copy even in fp32);
-      gradients as the optimiser step finds them, an fp32 partition (`_add_zero12_grads`);
-      optimiser state a partition.
+      gradients: the whole of each parameter reaching into the rank's partition, reduced,
+      then an fp32 partition for the step (`_add_zero12_grads`); optimiser state a partition.
     - stage 3: each parameter a partition in b (plus the whole of those of at most
       ``stage3_param_persistence_threshold`` elements, kept gathered); an fp32 master
       partition beside it under 16 bits (the same memory in fp32); gradient partitions in b,
@@ -406,22 +406,26 @@ def zero_memory_plan(specs: Sequence[ParamSpec], world_size: int,
 
 def _add_zero12_grads(plan: StateBytes, trainable: Sequence[ParamSpec], world_size: int,
                       low: int | None, offload: bool) -> None:
-    """ZeRO-1/2's gradients at the optimiser step, on the rank that holds most: the flat
-    group of the trainable parameters is cut in ``world_size`` equal partitions and each rank
-    steps on an fp32 gradient of its partition: a copy of the reduced pieces (on the CPU with
-    ``offload``), except where the partition is a slice of one fp32 parameter: then a view
-    of that parameter's whole reduced gradient, which stays held."""
+    """ZeRO-1/2's gradients on the rank that holds most. The flat group of the trainable
+    parameters is cut in ``world_size`` equal partitions. Between backward and the step a
+    rank holds the reduced gradient of the whole of each parameter reaching into its
+    partition (in the model's dtype, or ``low`` bytes); the step then takes an fp32
+    partition of them, which replaces them. With ``offload`` they go to an fp32 partition on
+    the CPU as they are reduced."""
     total = sum(spec.numel for spec in trainable)
     if not total:
         return
     share = -(-total // world_size)
-    worst, offset = share * 4, 0
-    for spec in trainable:  # a partition inside one parameter: one that spans a whole share
-        inside = -(-offset // share) * share + share <= offset + spec.numel
-        if inside and low is None and spec.itemsize == 4 and not offload:
-            worst = max(worst, spec.numel * 4)
+    reached = [0] * world_size  # bytes of the whole parameters reaching into each partition
+    offset = 0
+    for spec in trainable:
+        for rank in range(offset // share, min(world_size, -(-(offset + spec.numel) // share))):
+            reached[rank] += spec.numel * (low or spec.itemsize)
         offset += spec.numel
-    plan.add("grads", worst, cpu=offload)
+    if offload:  # copied to the CPU's fp32 partition as they are reduced
+        plan.add("grads", share * 4, cpu=True)
+    else:
+        plan.add("grads", max(max(reached), share * 4))
 
 
 _ds_groups_for: list[Any] = [None]  # the default group DeepSpeed's cached groups belong to
