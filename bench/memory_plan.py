@@ -5,8 +5,8 @@ own estimate.
 
 Measured: for each N, N gloo processes (spawned here, one thread each) train the tinylm config
 (``configs/tinylm_ddp.yaml`` with ``--n-embd`` and ``--n-layer``) for 2 steps through the
-Runner under ddp, fsdp (a shard unit per block) and DeepSpeed ZeRO-1/2/3 (fp32, and ZeRO-2/3
-in bf16). Every rank measures what it holds by kind (`Strategy.state_tensors`: parameters,
+Runner under ddp, fsdp (a shard unit per block) and DeepSpeed ZeRO-1/2/3 (fp32; ZeRO-0/2/3
+in bf16; offloads). Every rank measures what it holds by kind (`Strategy.state_tensors`: parameters,
 gradients, optimiser state; each storage counted once, by its data_ptr) just before and after
 each optimiser step (`memory.PeakWatch`), and keeps each kind's peak. The table sets the plan
 (`Strategy.memory_plan`, the most any rank holds) beside the rank that held most, in MiB, and
@@ -42,6 +42,7 @@ RUN = ["data.train.batch_size=4", "data.val=null", "schedule.max_iters=2",
 CASES = {
     "ddp": ["strategy.type=ddp"],
     "fsdp": ["strategy.type=fsdp", "strategy.wrap={classes: [Block]}"],
+    "zero0 bf16": ["strategy.type=deepspeed", "strategy.zero_stage=0", "precision=bf16"],
     "zero1": ["strategy.type=deepspeed", "strategy.zero_stage=1"],
     "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],
     "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
@@ -118,7 +119,7 @@ def deepspeed_estimate(case: str, model: list[str], world_size: int) -> float | 
     """DeepSpeed's per-GPU estimate for a ZeRO case (its functions for a model's parameter
     count, one node of ``world_size`` GPUs; with offload, its GPU figure plus a GPU's share of
     its node's CPU figure, which includes its 1.5 buffer factor); None for the others."""
-    if not case.startswith("zero"):
+    if not case.startswith(("zero1", "zero2", "zero3")):
         return None
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs

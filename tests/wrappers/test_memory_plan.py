@@ -125,6 +125,7 @@ launcher: pytorch
 STRATEGIES = {
     "ddp": ["strategy.type=ddp"],
     "fsdp": ["strategy.type=fsdp"],
+    "zero0-bf16": ["strategy.type=deepspeed", "strategy.zero_stage=0", "precision=bf16"],
     "zero1": ["strategy.type=deepspeed", "strategy.zero_stage=1"],
     "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],
     "zero3": ["strategy.type=deepspeed", "strategy.zero_stage=3"],
