@@ -359,7 +359,7 @@ def zero_memory_plan(specs: Sequence[ParamSpec], world_size: int,
     - stage 3: each parameter a partition in b (plus the whole of those of at most
       ``stage3_param_persistence_threshold`` elements, kept gathered); an fp32 master
       partition beside it under 16 bits (the same memory in fp32); gradient partitions in b,
-      and in fp32 at the step under 16 bits; optimiser state a partition.
+      and an fp32 copy of them for the step (even in fp32); optimiser state a partition.
 
     ``offload_optimizer`` puts the master partition, its gradient and the optimiser state on
     the CPU; ``offload_param`` (stage 3) the parameter partitions.
