@@ -103,6 +103,13 @@ def test_a_bad_world_size_is_exit_2_naming_the_flag(capsys, value):
     assert code == 2 and "--world-size" in err
 
 
+def test_an_option_the_model_refuses_is_exit_2_in_the_plan_too(capsys):
+    code, out, err = _dry_run(capsys, "tinylm_fsdp.yaml", "--world-size", "4", "--cfg-options",
+                              "strategy.wrap={classes: [Nope]}")
+    assert code == 2 and not out
+    assert err == "error: strategy.wrap.classes: the model has no module of class 'Nope'\n"
+
+
 def test_world_size_without_dry_run_is_refused(capsys):
     code = train_tool.main([str(CONFIGS / "tinylm_ddp.yaml"), "--world-size", "4"])
     assert code == 2 and "--world-size" in capsys.readouterr().err

@@ -365,12 +365,13 @@ def dry_run(job: Job) -> int:
         try:
             model = build_meta_model(plain)  # once, for the groups and the memory plan
             groups, warnings = plan_param_groups(plain, model)
+            memory = plan_memory(plain, world_size, model)
         except ConfigError as error:
             return _usage_error(error)
         for warning in warnings:
             _say(f"warning: {warning}")
         print(describe_plan(job.cfg, world_size=job.world_size, dataset_length=length,
-                            param_groups=groups, memory=plan_memory(plain, world_size, model)))
+                            param_groups=groups, memory=memory))
         if why:
             print(f"  (train set size unknown: {why})")
     return EXIT_OK

@@ -383,13 +383,17 @@ def plan_memory(cfg: Mapping[str, Any], world_size: int,
                 model: nn.Module | Exception | None = None) -> StateBytes | str:
     """The most bytes of parameters, gradients and optimiser state a rank of ``world_size``
     will hold, as the config's strategy plans them (`Strategy.memory_plan`) on the model
-    built on the meta device (``model``, built here where not given); or why not."""
+    built on the meta device (``model``, built here where not given); or why not. An option
+    the model refuses is a ConfigError, as the run would refuse it."""
     model = build_meta_model(cfg) if model is None else model
     if isinstance(model, Exception):
         return (f"not planned: the model cannot be built on the meta device "
                 f"({type(model).__name__}: {first_line(model)})")
     specs = param_specs(model, _states_of(cfg["optim"]))
-    plan = STRATEGIES[cfg["strategy"]["type"]].memory_plan(specs, world_size, cfg, model)
+    try:
+        plan = STRATEGIES[cfg["strategy"]["type"]].memory_plan(specs, world_size, cfg, model)
+    except ValueError as error:  # an option the model refuses (fsdp's wrap classes)
+        raise ConfigError(first_line(error)) from None
     total = sum(spec.numel for spec in specs)
     trainable = sum(spec.numel for spec in specs if spec.trainable)
     share = "all" if trainable == total else f"{trainable:,}"

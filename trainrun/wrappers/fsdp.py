@@ -473,8 +473,9 @@ class FSDPStrategy(Strategy):
         plan.notes.append(f"sharded over {how}" + ("; all of it offloaded to the CPU "
                                                    "(cpu_offload)" if options["cpu_offload"]
                                                    else ""))
-        if model is not None and size > 1:
-            plan.notes.append(_gathered_note(model, options))
+        gathered = _gathered_note(model, options) if model is not None else None
+        if gathered is not None and size > 1:  # (built on any world size: checks the wrap)
+            plan.notes.append(gathered)
         return plan
 
     def setup(self, model: nn.Module, device: torch.device,
