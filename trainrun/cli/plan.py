@@ -25,6 +25,7 @@ from trainrun.dist.text import show
 from trainrun.runner.hooks.base import SLOTS
 from trainrun.runner.hooks.from_config import planned_order
 from trainrun.runner.sampler import batches_per_epoch
+from trainrun.wrappers.memory import KINDS, LABELS, StateBytes, human
 
 
 def env_world_size(launcher: str) -> tuple[int, str]:
@@ -160,6 +161,32 @@ def _groups(groups: Sequence[str] | str) -> str:
     return "\n".join([count, *groups])
 
 
+NOT_COUNTED = ("not counted: activations, temporary buffers (communication, gathered "
+               "parameters), the CUDA context, allocator fragmentation")
+
+
+def _bytes(state: StateBytes, where: dict[str, int]) -> str:
+    parts = [f"{LABELS[kind]} {human(where[kind])}" for kind in KINDS]
+    if not state.optim_known:
+        parts[-1] = "optimiser state not known (this plan does not know the optimiser's)"
+    return ", ".join(parts)
+
+
+def _memory(state: StateBytes | str, world_size: int) -> str:
+    """The memory rows: per rank by kind (device, then CPU where offloaded), the rank's and
+    the job's totals, the strategy's notes, and what is not counted."""
+    if isinstance(state, str):
+        return state
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    lines = [f"per rank: {_bytes(state, state.device)}"]
+    if any(state.cpu.values()):
+        lines.append(f"per rank on the CPU (offloaded): {_bytes(state, state.cpu)}")
+    unknown = "" if state.optim_known else " + the optimiser's state"
+    lines += [f"total: {human(state.total)} per rank{unknown}; {human(state.total * world_size)}"
+              f" for the job ({ranks}){unknown}", *state.notes, NOT_COUNTED]
+    return "\n".join(lines)
+
+
 def _checkpoints(cfg: Mapping[str, Any]) -> str:
     ckpt = cfg["checkpoint"]
     every = (f"every {_unit(cfg['schedule'], ckpt['interval'])}" if ckpt["interval"]
@@ -180,13 +207,15 @@ def _hooks(cfg: Mapping[str, Any]) -> str:
 
 def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = None,
                   dataset_length: int | None = None,
-                  param_groups: Sequence[str] | str | None = None) -> str:
+                  param_groups: Sequence[str] | str | None = None,
+                  memory: StateBytes | str | None = None) -> str:
     """The resolved plan of a validated config, as lines of text.
 
     ``world_size`` defaults to what the launcher's variables announce; ``dataset_length`` is
     the train set's length (None: steps per epoch are shown as unknown); ``param_groups``:
     a line per parameter group ``optim.paramwise`` makes, or why they are not listed (None:
-    no such row).
+    no such row); ``memory``: each rank's bytes of training state (`Strategy.memory_plan`),
+    or why it is not planned (None: no such row).
     """
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
@@ -216,6 +245,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("scheduler", _with_options(cfg["scheduler"]) if cfg["scheduler"]
          else "none (constant learning rate)"),
         ("precision", cfg["precision"]),
+        *([("memory", _memory(memory, world_size))] if memory is not None else []),
         ("compile", _compile(cfg)),
         ("seed", _options(cfg["randomness"])),
         ("checkpoints", _checkpoints(cfg)),

@@ -27,7 +27,13 @@ from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.dist.text import first_line
-from trainrun.runner.builder import check_batches, check_types, plan_param_groups
+from trainrun.runner.builder import (
+    build_meta_model,
+    check_batches,
+    check_types,
+    plan_memory,
+    plan_param_groups,
+)
 from trainrun.runner.config import (
     LAUNCHERS,
     ConfigError,
@@ -45,6 +51,7 @@ class Job:
     cfg: DictConfig
     warnings: list[str] = field(default_factory=list)
     dry_run: bool = False
+    world_size: int | None = None  # --world-size: the dry run plans for this many ranks
 
 
 # ---------------------------------------------------------------- parsers
@@ -77,7 +84,21 @@ def train_parser() -> argparse.ArgumentParser:
                         help="mixed precision: bf16 (fp16 on a GPU without bf16)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config, print the plan, train nothing, write nothing")
+    parser.add_argument("--world-size", type=_ranks, metavar="N",
+                        help="with --dry-run: plan as if N ranks ran it (batch, iterations, "
+                        "memory per rank); no process is started")
     return parser
+
+
+def _ranks(text: str) -> int:
+    """A ``--world-size`` value: a whole number of ranks, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks >= 1, got {text!r}")
+    return value
 
 
 def test_parser() -> argparse.ArgumentParser:
@@ -207,10 +228,14 @@ def prepare_train(argv: Sequence[str] | None = None) -> Job:
             cfg[key] = _checked_checkpoint(key, cfg[key], run_directory=key == "resume")
     if cfg.resume:
         warnings += _check_resumed_config(cfg, args.force)
+    if args.world_size is not None and not args.dry_run:
+        raise ConfigError(f"--world-size: got {args.world_size}, which plans a dry run: pass "
+                          f"--dry-run too (a run's world size is its launcher's)")
     if not args.dry_run:
         _check_launcher(cfg)
         _check_backend(cfg)
-    return Job(cfg, warnings + _launcher_warnings(cfg), dry_run=args.dry_run)
+    return Job(cfg, warnings + _launcher_warnings(cfg), dry_run=args.dry_run,
+               world_size=args.world_size)
 
 
 def prepare_test(argv: Sequence[str] | None = None) -> Job:
@@ -327,21 +352,26 @@ def dry_run(job: Job) -> int:
     """Print the plan (rank 0 only); nothing is initialised or written. A training set that
     leaves no batch is refused (exit 2), as the run would refuse it."""
     if _rank(job.cfg) == 0:
+        world_size = job.world_size or env_world_size(job.cfg.launcher)[0]
         length, why = train_set_length(job.cfg)
         if length is not None:
             train = job.cfg.data.train
             try:
-                check_batches("data.train", length, env_world_size(job.cfg.launcher)[0],
-                              train.batch_size, train.drop_last)
+                check_batches("data.train", length, world_size, train.batch_size,
+                              train.drop_last)
             except ConfigError as error:
                 return _usage_error(error)
+        plain = OmegaConf.to_container(job.cfg, resolve=True)
         try:
-            groups, warnings = plan_param_groups(OmegaConf.to_container(job.cfg, resolve=True))
+            model = build_meta_model(plain)  # once, for the groups and the memory plan
+            groups, warnings = plan_param_groups(plain, model)
+            memory = plan_memory(plain, world_size, model)
         except ConfigError as error:
             return _usage_error(error)
         for warning in warnings:
             _say(f"warning: {warning}")
-        print(describe_plan(job.cfg, dataset_length=length, param_groups=groups))
+        print(describe_plan(job.cfg, world_size=job.world_size, dataset_length=length,
+                            param_groups=groups, memory=memory))
         if why:
             print(f"  (train set size unknown: {why})")
     return EXIT_OK

@@ -24,6 +24,7 @@ from trainrun.runner.optim import (
     OptimWrapperDict,
     build_optimizer,
     optimizer_default,
+    state_tensors,
 )
 from trainrun.runner.paramwise import (
     Group,
@@ -55,7 +56,9 @@ from trainrun.runner.schema import (
     section,
 )
 from trainrun.runner.seed import seed_worker
+from trainrun.wrappers import STRATEGIES
 from trainrun.wrappers.base import Optimizers
+from trainrun.wrappers.memory import StateBytes, param_specs
 
 log = logging.getLogger("trainrun")
 
@@ -325,19 +328,36 @@ def uses_paramwise(optim: Mapping[str, Any]) -> bool:
         for overrides in (optim.get("per_module") or {}).values())
 
 
-def plan_param_groups(cfg: Mapping[str, Any]) -> tuple[list[str] | str | None, list[str]]:
+def build_meta_model(cfg: Mapping[str, Any]) -> nn.Module | Exception:
+    """The config's model built on the meta device (shapes without memory or weights: a
+    7B-parameter model in seconds), or the error that stopped it (a config error raises):
+    what the dry run plans parameter groups and memory on."""
+    try:
+        with torch.device("meta"):
+            return build_model(cfg["model"])
+    except ConfigError:
+        raise
+    except Exception as error:  # a plan reports what it cannot know, it does not fail
+        return error
+
+
+def plan_param_groups(cfg: Mapping[str, Any], model: nn.Module | Exception | None = None
+                      ) -> tuple[list[str] | str | None, list[str]]:
     """The lines the run's log will list of its parameter groups, and the warnings about
-    them, for the dry run: the model is built on the meta device (shapes without memory or
-    weights), its optimiser(s) over it. None where no ``paramwise`` is set; for a model that
-    cannot be built there, a line saying so instead of the list (a config error raises)."""
+    them, for the dry run: its optimiser(s) over the model built on the meta device
+    (``model``, built here where not given). None where no ``paramwise`` is set; for a model
+    that cannot be built there, a line saying so instead of the list (a config error
+    raises)."""
     optim = cfg["optim"]
     if not uses_paramwise(optim):
         return None, []
     lines: list[str] = []
     warnings: list[str] = []
+    model = build_meta_model(cfg) if model is None else model
+    if isinstance(model, Exception):
+        return _unlisted(model), []
     try:
         with torch.device("meta"):
-            model = build_model(cfg["model"])
             optimizers = optimizer_factory(optim, warnings.append, lines.extend)(model)
         for optimizer in optimizers.values() if isinstance(optimizers, Mapping) \
                 else [optimizers]:
@@ -351,6 +371,44 @@ def plan_param_groups(cfg: Mapping[str, Any]) -> tuple[list[str] | str | None, l
     except Exception as error:  # a plan reports what it cannot know, it does not fail
         return _unlisted(error), []
     return lines, warnings
+
+
+def plan_memory(cfg: Mapping[str, Any], world_size: int,
+                model: nn.Module | Exception | None = None) -> StateBytes | str:
+    """The most bytes of parameters, gradients and optimiser state a rank of ``world_size``
+    will hold, as the config's strategy plans them (`Strategy.memory_plan`) on the model
+    built on the meta device (``model``, built here where not given); or why not. An option
+    the model refuses is a ConfigError, as the run would refuse it."""
+    model = build_meta_model(cfg) if model is None else model
+    if isinstance(model, Exception):
+        return (f"not planned: the model cannot be built on the meta device "
+                f"({type(model).__name__}: {first_line(model)})")
+    specs = param_specs(model, _states_of(cfg["optim"]))
+    try:
+        plan = STRATEGIES[cfg["strategy"]["type"]].memory_plan(specs, world_size, cfg, model)
+    except ValueError as error:  # an option the model refuses (fsdp's wrap classes)
+        raise ConfigError(first_line(error)) from None
+    total = sum(spec.numel for spec in specs)
+    trainable = sum(spec.numel for spec in specs if spec.trainable)
+    share = "all" if trainable == total else f"{trainable:,}"
+    plan.notes.insert(0, f"{total:,} parameters ({share} trainable), counted on the model "
+                         f"built on the meta device")
+    return plan
+
+
+def _states_of(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
+    """The optimiser state tensors of a parameter, by its name (`optim.state_tensors` of the
+    optimiser holding it; 0 where none does)."""
+    common = {k: v for k, v in optim.items() if k not in WRAPPER_KEYS and v is not None}
+    per_module = optim.get("per_module") or {}
+
+    def states(name: str) -> int | None:
+        if not per_module:
+            return state_tensors(common)
+        head = name.partition(".")[0]
+        return state_tensors({**common, **_own(per_module[head])}) if head in per_module else 0
+
+    return states
 
 
 def _unlisted(error: Exception) -> str:

@@ -271,6 +271,32 @@ def optimizer_default(name: str, argument: str) -> Any:
     return None if found is None or found.default is inspect.Parameter.empty else found.default
 
 
+
+# The state tensors of a parameter's size each torch optimiser keeps per parameter, as a
+# function of its options (scalar step counters left out); what a memory plan counts.
+_STATES: dict[str, Callable[[Callable[[str], Any]], int]] = {
+    "Adam": lambda opt: 3 if opt("amsgrad") else 2,  # exp_avg, exp_avg_sq (max_exp_avg_sq)
+    "AdamW": lambda opt: 3 if opt("amsgrad") else 2,
+    "Adamax": lambda opt: 2,  # exp_avg, exp_inf
+    "NAdam": lambda opt: 2,  # exp_avg, exp_avg_sq
+    "RAdam": lambda opt: 2,
+    "Adadelta": lambda opt: 2,  # square_avg, acc_delta
+    "Adagrad": lambda opt: 1,  # sum
+    "SGD": lambda opt: 1 if opt("momentum") else 0,  # momentum_buffer
+    "RMSprop": lambda opt: 1 + bool(opt("momentum")) + bool(opt("centered")),
+}
+
+
+def state_tensors(optim: Mapping[str, Any]) -> int | None:
+    """How many tensors of each parameter's size the optimiser ``optim`` describes keeps for
+    it ({'type': 'AdamW', ...}: 2; SGD with momentum 1, without 0); None for an optimiser
+    whose state is not known here."""
+    count = _STATES.get(optim.get("type", "AdamW"))
+    if count is None:
+        return None
+    return count(lambda key: optim.get(key, optimizer_default(optim["type"], key)))
+
+
 CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}", section({
     "max_norm": (REQUIRED, number(above=0)),
     "norm_type": (2.0, rule("a number", is_number)),

@@ -20,7 +20,7 @@ import struct
 import threading
 import zipfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from trainrun.dist import barrier, is_main_process
 from trainrun.dist.text import first_line
+from trainrun.wrappers.memory import ParamSpec, StateBytes, optimizer_tensors, replicated
 
 log = logging.getLogger("trainrun")
 
@@ -86,6 +87,8 @@ class Strategy(ABC):
     own (a directory) overrides the classmethods `owns_checkpoint`, `look_inside`,
     `read_state`, `read_weights` and `model_shapes`; the runner, the checkpoint manager,
     export and test find it through `checkpoint_format`, which asks the registered strategies.
+    A strategy that shards or offloads overrides `memory_plan` (what ``--dry-run`` plans per
+    rank) and, where it holds state outside the module and optimiser, `state_tensors`.
     """
 
     name: ClassVar[str]
@@ -188,6 +191,33 @@ class Strategy(ABC):
         """This rank's part of each whole tensor in ``full``, cut as `param_shards` cuts the
         parameter of its name (every rank calls this). This default: as given."""
         return dict(full)
+
+    # ------------------------------------------------ memory: planned and held
+    # What `--dry-run` plans before anything starts, and what a running job holds, by kind
+    # (trainrun/wrappers/memory.py). This default is the replicated case: every rank holds
+    # the whole model, its gradients and its optimiser state.
+
+    @classmethod
+    def memory_plan(cls, specs: Sequence[ParamSpec], world_size: int, cfg: Mapping[str, Any],
+                    model: nn.Module | None = None) -> StateBytes:
+        """The most bytes of parameters, gradients and optimiser state any of ``world_size``
+        ranks will hold, from the parameters' ``specs`` and the checked, plain run config
+        (``model``: the model built on the meta device, for strategies that need its
+        structure). This default: the whole of each on every rank, in the model's dtype."""
+        plan = replicated(specs)
+        if cfg.get("precision", "fp32") != "fp32":
+            plan.notes.append(f"precision {cfg['precision']}: autocast computes in it; the "
+                              f"state stays in the model's dtype")
+        return plan
+
+    def state_tensors(self, model: nn.Module, optimizer: Optimizers | None
+                      ) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds now, by kind ('params', 'grads', 'optim'): what
+        `memory.measure` counts to check `memory_plan` against a running job. This default:
+        the module's parameters, their gradients and the optimiser's state."""
+        params = list(self.unwrap(model).parameters())
+        return {"params": params, "grads": [p.grad for p in params],
+                "optim": optimizer_tensors(optimizer)}
 
     def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                         extra: dict[str, Any]) -> None:

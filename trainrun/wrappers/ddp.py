@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainrun.dist import is_distributed
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
+from trainrun.wrappers.memory import ParamSpec, StateBytes, human
 
 log = logging.getLogger("trainrun")
 
@@ -108,6 +109,18 @@ class DDPStrategy(Strategy):
         "static_graph": False,
         "detect_anomalous_params": False,
     }
+
+    @classmethod
+    def memory_plan(cls, specs: Sequence[ParamSpec], world_size: int, cfg: Mapping[str, Any],
+                    model: nn.Module | None = None) -> StateBytes:
+        """Every rank holds everything (`Strategy`'s plan); DDP's gradient buckets, a
+        communication buffer, are named beside it."""
+        plan = super().memory_plan(specs, world_size, cfg, model)
+        if world_size > 1 and not cls.options_in(cfg)["gradient_as_bucket_view"]:
+            plan.notes.append(f"not in the total: DDP's gradient buckets, a second copy of the "
+                              f"gradients ({human(plan.kind('grads'))}); "
+                              f"strategy.gradient_as_bucket_view: true makes them one")
+        return plan
 
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ from trainrun.wrappers.base import (
     save_state_file,
 )
 from trainrun.wrappers.base_model import loss_step
+from trainrun.wrappers.memory import ParamSpec, StateBytes
 
 log = logging.getLogger("trainrun")
 
@@ -324,6 +325,109 @@ def share_fp32_master(zero_optimizer: Any) -> int:
     return freed
 
 
+# ZeRO optimisers' flat buffers (DeepSpeed 0.19): parameters as the model computes with them,
+# fp32 master copies the optimiser steps, and gradient partitions
+_PARAM_BUFFERS = ("bit16_groups_flat", "fp16_partitioned_groups_flat", "fp16_groups_flat")
+_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+            "fp32_groups_flat", "fp32_groups")
+_GRAD_BUFFERS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
+
+
+def _tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in nested lists, tuples and dicts."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
+def zero_memory_plan(specs: Sequence[ParamSpec], world_size: int,
+                     config: Mapping[str, Any]) -> StateBytes:
+    """One rank's bytes under DeepSpeed ``config`` (DeepSpeed 0.19's layout, measured in
+    bench/memory_plan.py). Trainable parameters T (their elements), frozen ones F; the model
+    computes in 2 bytes an element under bf16/fp16 (its own dtype otherwise, b); N ranks;
+    a partition is a ceil(1/N) share (the last rank's padded to the others' size):
+
+    - stage 0: T and F whole; under 16 bits also an fp32 master copy of T and fp32 gradients
+      beside the 16-bit ones; the optimiser's state in fp32, whole.
+    - stages 1 and 2: T and F whole, plus an fp32 master partition of T (a copy even in fp32);
+      gradients: the whole of each parameter reaching into the rank's partition, reduced,
+      then an fp32 partition for the step (`_add_zero12_grads`); optimiser state a partition.
+    - stage 3: each parameter a partition in b (plus the whole of those of at most
+      ``stage3_param_persistence_threshold`` elements, kept gathered); an fp32 master
+      partition beside it under 16 bits (the same memory in fp32); gradient partitions in b,
+      and an fp32 copy of them for the step (even in fp32); optimiser state a partition.
+
+    ``offload_optimizer`` puts the master partition, its gradient and the optimiser state on
+    the CPU; ``offload_param`` (stage 3) the parameter partitions.
+    """
+    stage = _lookup(config, "zero_optimization.stage")
+    stage = 0 if stage is _MISSING else stage
+    low = _lookup(config, "bf16.enabled") is True or _lookup(config, "fp16.enabled") is True
+    off_optim = _lookup(config, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+    off_param = _lookup(config, "zero_optimization.offload_param.device") in ("cpu", "nvme")
+    threshold = _lookup(config, "zero_optimization.stage3_param_persistence_threshold")
+    threshold = 100_000 if threshold is _MISSING else threshold
+    plan = StateBytes()
+    for spec in specs:
+        b = 2 if low else spec.itemsize
+        n = spec.numel
+        share = -(-n // world_size) if stage else n  # ZeRO's partition of it
+        if stage == 3:
+            plan.add("params", share * b, cpu=off_param)
+            if n <= threshold:
+                plan.add("params", n * b)
+        else:
+            plan.add("params", n * b)
+        if not spec.trainable:
+            continue
+        master = low or stage in (1, 2) or off_optim  # a copy of its own, in fp32
+        if master:
+            plan.add("params", share * 4, cpu=off_optim)
+        if stage == 0:
+            plan.add("grads", n * b + (n * 4 if low else 0))
+        elif stage == 3:  # the partition in b, and in fp32 (a copy) at the step
+            plan.add("grads", share * b, cpu=off_optim)
+            plan.add("grads", share * 4, cpu=off_optim)
+        plan.add_optim(spec.states, share * 4 if master or stage else n * b, cpu=off_optim)
+    if stage in (1, 2):
+        _add_zero12_grads(plan, [spec for spec in specs if spec.trainable], world_size,
+                          2 if low else None, off_optim)
+    where = {0: "every rank holds everything", 1: "optimiser state partitioned",
+             2: "optimiser state and gradients partitioned",
+             3: "parameters, gradients and optimiser state partitioned"}[stage]
+    plan.notes.append(f"ZeRO stage {stage} over {world_size} ranks: {where}"
+                      + ("; 16-bit parameters, fp32 master copies" if low else ""))
+    return plan
+
+
+def _add_zero12_grads(plan: StateBytes, trainable: Sequence[ParamSpec], world_size: int,
+                      low: int | None, offload: bool) -> None:
+    """ZeRO-1/2's gradients on the rank that holds most. The flat group of the trainable
+    parameters is cut in ``world_size`` equal partitions. Between backward and the step a
+    rank holds the reduced gradient of the whole of each parameter reaching into its
+    partition (in the model's dtype, or ``low`` bytes); the step then takes an fp32
+    partition of them, which replaces them. With ``offload`` they go to an fp32 partition on
+    the CPU as they are reduced."""
+    total = sum(spec.numel for spec in trainable)
+    if not total:
+        return
+    share = -(-total // world_size)
+    reached = [0] * world_size  # bytes of the whole parameters reaching into each partition
+    offset = 0
+    for spec in trainable:
+        for rank in range(offset // share, min(world_size, -(-(offset + spec.numel) // share))):
+            reached[rank] += spec.numel * (low or spec.itemsize)
+        offset += spec.numel
+    if offload:  # copied to the CPU's fp32 partition as they are reduced
+        plan.add("grads", share * 4, cpu=True)
+    else:
+        plan.add("grads", max(max(reached), share * 4))
+
+
 _ds_groups_for: list[Any] = [None]  # the default group DeepSpeed's cached groups belong to
 
 
@@ -542,6 +646,33 @@ class DeepSpeedStrategy(Strategy):
             raise ValueError("checkpoint.async: got true, expected false with strategy "
                              "'deepspeed' (its engine writes checkpoints synchronously; ddp "
                              "and fsdp save in the background)")
+
+    @classmethod
+    def memory_plan(cls, specs: Sequence[ParamSpec], world_size: int, cfg: Mapping[str, Any],
+                    model: nn.Module | None = None) -> StateBytes:
+        """What ZeRO's stage keeps on each of ``world_size`` ranks (`zero_memory_plan`), from
+        the DeepSpeed config this run's keys and options make."""
+        train = (cfg.get("data") or {}).get("train") or {}
+        config = deepspeed_config(cls.options_in(cfg), train.get("batch_size") or 1, world_size,
+                                  cfg.get("optim") or {}, cfg.get("precision", "fp32"))
+        return zero_memory_plan(specs, world_size, config)
+
+    def state_tensors(self, model: nn.Module, optimizer: Optimizers | None
+                      ) -> dict[str, list[Tensor]]:
+        """The module's parameters and gradients, and ZeRO's flat buffers of them: its
+        16-bit (or fp32) parameter groups or partitions, fp32 master partitions and gradient
+        partitions (communication buckets are not state); the optimiser's own state."""
+        found = super().state_tensors(model, optimizer)
+        zero = getattr(self.engine, "optimizer", None)
+        if zero is None or zero is optimizer:  # ZeRO-0 in fp32: the torch optimiser itself
+            return found
+        masters = _tensors_in([getattr(zero, name, None) for name in _MASTERS])
+        found["params"] += _tensors_in([getattr(zero, name, None) for name in _PARAM_BUFFERS])
+        found["params"] += [getattr(p, "ds_tensor", None) for p in self.unwrap(model).parameters()]
+        found["params"] += masters
+        found["grads"] += [t.grad for t in masters]
+        found["grads"] += _tensors_in([getattr(zero, name, None) for name in _GRAD_BUFFERS])
+        return found
 
     def configure(self, batch_size: int | None, optim: Mapping[str, Any],
                   precision: str) -> None:

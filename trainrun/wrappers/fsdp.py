@@ -11,12 +11,13 @@ ranks resumes on 3.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,7 @@ from trainrun.wrappers.base import (
     save_state_file,
 )
 from trainrun.wrappers.base_model import loss_step
+from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -133,6 +135,52 @@ def shard_units(model: nn.Module, wrap: dict[str, Any] | None) -> list[nn.Module
 
     visit(model)
     return units
+
+
+def _shard_group(options: Mapping[str, Any], world_size: int) -> tuple[int, str]:
+    """How many ranks share each parameter's shards under ``options``, and that in words."""
+    sharding = options["sharding"]
+    if sharding in ("full", "grad_op"):
+        return world_size, f"{world_size} ranks (sharding {sharding})"
+    if sharding == "none":
+        return 1, "1 rank: every rank holds everything (sharding none)"
+    size = options["hybrid_shard_size"]
+    if size is not None:
+        return size, f"{size} ranks (sharding hybrid, hybrid_shard_size), replicated across"
+    size = get_local_size()
+    return size, (f"{size} rank{'s' if size != 1 else ''} (sharding hybrid: a node's ranks, "
+                  f"{size} as this process was started; set strategy.hybrid_shard_size to "
+                  f"plan for another)")
+
+
+def _shard_numel(shape: tuple[int, ...], size: int) -> int:
+    """Elements of one rank's padded shard of a parameter of ``shape`` over ``size`` ranks."""
+    if not shape:
+        return 1
+    rows = -(-shape[0] // size)
+    return rows * math.prod(shape[1:])
+
+
+def _gathered_note(model: nn.Module, options: Mapping[str, Any]) -> str:
+    """The parameters a shard unit gathers whole while it computes, in the gathered dtype."""
+    dtype = parse_dtype("param_dtype", (options["mixed_precision"] or {}).get("param_dtype"))
+
+    def nbytes(params: Any) -> int:
+        return sum(p.numel() * (dtype.itemsize if dtype else p.element_size()) for p in params)
+
+    units = shard_units(model, options["wrap"])  # innermost first: a unit's own parameters
+    claimed: set[int] = set()
+    sizes = []
+    for unit in [*units, model]:
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        sizes.append(nbytes(own))
+    largest, whole = max(sizes), sum(sizes)
+    if options["sharding"] == "grad_op":
+        return (f"not in the total: parameters gathered whole from forward to backward "
+                f"(sharding grad_op keeps them): up to the whole model, {human(whole)}")
+    return (f"not in the total: each shard unit's parameters gathered whole while it computes "
+            f"(the largest of {len(sizes)} units: {human(largest)}; prefetching may hold two)")
 
 
 def compile_units(model: nn.Module, units: list[nn.Module], options: dict[str, Any]) -> None:
@@ -410,6 +458,27 @@ class FSDPStrategy(Strategy):
         if (cfg.get("optim") or {}).get("per_module"):
             raise ValueError("strategy 'fsdp' takes one optimiser over the whole model "
                              "(optim.per_module is for separate_ddp)")
+
+    @classmethod
+    def memory_plan(cls, specs: Sequence[ParamSpec], world_size: int, cfg: Mapping[str, Any],
+                    model: nn.Module | None = None) -> StateBytes:
+        """Each parameter, gradient and optimiser state is this rank's shard of it:
+        `fully_shard` cuts dimension 0 in ``ceil(rows / S)`` rows (the last rank's padded) over
+        S ranks (all for full and grad_op, 1 for none, a node or ``hybrid_shard_size`` for
+        hybrid); all in the model's dtype (``mixed_precision`` casts only the gathered copy),
+        on the CPU with ``cpu_offload``. The parameters gathered whole while a shard unit
+        computes are named beside it, not counted."""
+        options = cls.options_in(cfg)
+        size, how = _shard_group(options, world_size)
+        plan = replicated(specs, lambda spec: _shard_numel(spec.shape, size) * spec.itemsize,
+                          cpu=bool(options["cpu_offload"]))
+        plan.notes.append(f"sharded over {how}" + ("; all of it offloaded to the CPU "
+                                                   "(cpu_offload)" if options["cpu_offload"]
+                                                   else ""))
+        gathered = _gathered_note(model, options) if model is not None else None
+        if gathered is not None and size > 1:  # (built on any world size: checks the wrap)
+            plan.notes.append(gathered)
+        return plan
 
     def setup(self, model: nn.Module, device: torch.device,
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
