@@ -258,6 +258,7 @@ class Heartbeat:
         self.failing = False  # set once this rank's main thread handles a failure itself
         self._concluding, self._concluded = threading.Lock(), False
         self._seq = 0
+        self._reported: set[int] = set()  # ranks whose beat key this rank has seen
         self._started = 0.0  # when this rank's heartbeat started (its clock)
         self._answered = time.monotonic()  # when the store last answered
         self._refused: tuple[float, BaseException] | None = None  # since when, and how
@@ -382,12 +383,20 @@ class Heartbeat:
     # -------------------------------------------------------- the store
 
     def _read(self, rank: int) -> Beat | None:
+        """``rank``'s last beat, None before its first. Once its key is there it stays (for
+        this generation), so a beat then costs this rank three store requests, not four."""
         key = self.key(rank)
-        return Beat.decode(self.store.get(key)) if self.store.check([key]) else None
+        if rank not in self._reported:
+            if not self.store.check([key]):
+                return None
+            self._reported.add(rank)
+        return Beat.decode(self.store.get(key))
 
     def beats(self) -> dict[int, Beat | None]:
+        """Every rank's last beat (None: none yet): two store requests when every rank has
+        reported (one `check` of all keys, one `multi_get`), not one per rank."""
         keys = [self.key(r) for r in range(self.world_size)]
-        present = [k for k in keys if self.store.check([k])]
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
         values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
         return {r: Beat.decode(values[k]) if k in values else None
                 for r, k in enumerate(keys)}
@@ -489,8 +498,14 @@ def _store(silent_after: float) -> torch_dist.Store | None:
     if not hasattr(store, "clone"):
         return store
     own = store.clone()
-    own.set_timeout(datetime.timedelta(seconds=max(5.0, min(30.0, silent_after / 4))))
+    own.set_timeout(client_timeout(silent_after))
     return own
+
+
+def client_timeout(silent_after: float) -> datetime.timedelta:
+    """How long one heartbeat store call may take before it gives up: a few beats, so a slow
+    call fails (and is retried at the next beat) well before the rank counts as silent."""
+    return datetime.timedelta(seconds=max(5.0, min(30.0, silent_after / 4)))
 
 
 def _prefix() -> str:
