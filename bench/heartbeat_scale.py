@@ -392,6 +392,29 @@ def _extrapolate(points: list[dict], to: int = 16384) -> None:
           f"requests/s, store CPU {intercept + slope * to:.2f} s/s (one core: 1.0)")
 
 
+def account_time(n: int, dist_timeout: float, tmp: Path) -> float:
+    """Seconds a watcher's `Heartbeat.account` takes at ``n`` ranks (every rank's beat read to
+    name the silent ones), against a store of its own holding ``n`` beats: the part of
+    naming a frozen rank that grows with the job."""
+    port = free_port()
+    store_proc = _spawn(["--serve-store", port], tmp / f"store-account-{n}.log")
+    try:
+        client = torch_dist.TCPStore(HOST, port, is_master=False, timeout=WAIT)
+        beat = heartbeat.Beat(1, time.time(), 1, "forward").encode()
+        keys = [f"{PREFIX}/{rank}" for rank in range(n)]
+        for i in range(0, n, 1024):
+            client.multi_set(keys[i:i + 1024], [beat] * len(keys[i:i + 1024]))
+        watcher = heartbeat.Heartbeat(client, 1, n, dist_timeout, PREFIX)
+        began = time.perf_counter()
+        message, silent = watcher.account()
+        took = time.perf_counter() - began
+        assert not silent, message
+        return took
+    finally:
+        store_proc.kill()
+        store_proc.wait()
+
+
 def _judge(points: list[dict], dist_timeout: float) -> None:
     """The issue's goals, against the sizes that ran to the end."""
     for p in points:
@@ -441,8 +464,11 @@ def main() -> None:
             if point.get("broke"):
                 print(f"(larger sizes not run: {n} ranks already broke down)")
                 break
+        accounts = {n: account_time(n, args.dist_timeout, logs) for n in (8192, 16384)}
     print(f"load average after: {_uptime()}")
     _print_table(points)
+    print("\nnaming a silent rank reads every rank's beat (Heartbeat.account): " + ", ".join(
+        f"{n} ranks {seconds * 1e3:.0f} ms" for n, seconds in accounts.items()))
     _extrapolate(points)
     _judge(points, args.dist_timeout)
 

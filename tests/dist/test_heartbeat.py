@@ -115,6 +115,20 @@ def test_a_beat_costs_three_store_requests_and_an_account_two():
     assert message.startswith("no rank is silent"), message
 
 
+def test_the_ranks_beats_are_spread_over_the_interval_and_stay_on_their_grid():
+    ranks = [Heartbeat(torch_dist.HashStore(), rank, 4, silent_after=10, prefix="t")
+             for rank in range(4)]
+    now = time.monotonic()
+    for rank in ranks:  # as `_run` starts: rank r's beats at r / 4 of the interval
+        rank._due = now + rank.interval * rank.rank / 4
+    waits = [rank._until_next_beat() for rank in ranks]
+    assert all(abs(w - e) < 0.05 for w, e in zip(waits, [1.0, 0.25, 0.5, 0.75], strict=True)), \
+        waits
+    late = ranks[1]
+    late._due = time.monotonic() - 2.6  # its last beat ran 2.6 intervals late (a slow store)
+    assert 0.3 < late._until_next_beat() <= 0.4  # the next slot of its grid, not at once
+
+
 class Simulated(Heartbeat):
     """A rank of a job simulated in threads: records the stop it would end its process with
     (one it found, or one posted by another rank) instead of ending this test's process."""
