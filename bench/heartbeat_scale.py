@@ -287,13 +287,16 @@ def measure(n: int, per_process: int, dist_timeout: float, warmup: float, window
         cpu0 = _cpu_now([store_proc, *clients])
         broke = broke or _watch_until(plan["t1"], clients, logs, control)
         cpu1 = _cpu_now([store_proc, *clients])
+        if not broke:
+            try:
+                _wait_count(control, "bench/dumped", len(clients), clients, logs, timeout=120)
+            except SystemExit:  # a client process ended before it wrote its figures
+                broke = _ended(clients, logs, control) or "the clients' figures never came"
+        _wait_count(control, "bench/probed", 1, [], [], timeout=60)
         if broke:  # what the probe and /proc saw until then; no frozen rank
-            _wait_count(control, "bench/probed", 1, [], [], timeout=60)
             point = _summarise(n, [], probe_out, cpu0, cpu1, plan)
             point.update(procs=len(clients), broke=broke, named="-")
             return point
-        _wait_count(control, "bench/dumped", len(clients), clients, logs, timeout=120)
-        _wait_count(control, "bench/probed", 1, [], [], timeout=60)
         point = _summarise(n, outs, probe_out, cpu0, cpu1, plan)
         point.update(procs=len(clients))
         point.update(_freeze(control, clients, frozen, dist_timeout))
