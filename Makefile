@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/inductor_cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile lint
+.PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat lint
 
 setup:
 	@bash tools/bootstrap.sh
@@ -25,7 +25,7 @@ test: setup
 test-fast: setup
 	$(PYTEST) -m "not slow"
 
-bench: bench-collectives bench-runner bench-memory bench-checkpoint bench-compile
+bench: bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat
 
 bench-collectives: setup
 	@bash bench/run_collectives.sh
@@ -41,6 +41,9 @@ bench-checkpoint: setup
 
 bench-compile: setup
 	@bash bench/run_compile.sh
+
+bench-heartbeat: setup
+	OMP_NUM_THREADS=1 $(PY) bench/heartbeat_scale.py
 
 lint: setup
 	$(VENV)/bin/ruff check trainrun tests tools bench

@@ -80,6 +80,98 @@ def test_the_watcher_names_a_rank_that_stopped_beating():
     assert watcher.store.add(watcher.key("told"), 0) == 1
 
 
+class CountingStore:
+    """A store that counts the requests made through it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def counted(*args):
+            self.calls.append(name)
+            return call(*args)
+        return counted
+
+
+def test_a_beat_costs_three_store_requests_and_an_account_two():
+    shared = torch_dist.HashStore()
+    ranks = [Heartbeat(CountingStore(shared), rank, 3, silent_after=10, prefix="t")
+             for rank in range(3)]
+    assert ranks[1]._read(0) is None  # not started: one check, and nothing read
+    for rank in ranks:
+        rank._beat()
+    counting = ranks[1].store._store
+    counting.calls.clear()
+    for _ in range(3):  # what the thread does every beat, once rank 0 has reported
+        ranks[1]._beat()
+        ranks[1].store.check([ranks[1].key("stop")])
+        assert ranks[1]._read(0).seq == 1
+    assert counting.calls == ["set", "check", "check", "get"] + ["set", "check", "get"] * 2
+    counting.calls.clear()
+    message, silent = ranks[1].account()
+    assert counting.calls == ["check", "multi_get"] and silent == []
+    assert message.startswith("no rank is silent"), message
+
+
+def test_the_ranks_beats_are_spread_over_the_interval_and_stay_on_their_grid():
+    ranks = [Heartbeat(torch_dist.HashStore(), rank, 4, silent_after=10, prefix="t")
+             for rank in range(4)]
+    now = time.monotonic()
+    for rank in ranks:  # as `_run` starts: rank r's beats at r / 4 of the interval
+        rank._due = now + rank.interval * rank.rank / 4
+    waits = [rank._until_next_beat() for rank in ranks]
+    assert all(abs(w - e) < 0.05 for w, e in zip(waits, [1.0, 0.25, 0.5, 0.75], strict=True)), \
+        waits
+    late = ranks[1]
+    late._due = time.monotonic() - 2.6  # its last beat ran 2.6 intervals late (a slow store)
+    assert 0.3 < late._until_next_beat() <= 0.4  # the next slot of its grid, not at once
+
+
+class Simulated(Heartbeat):
+    """A rank of a job simulated in threads: records the stop it would end its process with
+    (one it found, or one posted by another rank) instead of ending this test's process."""
+
+    def _exit(self, message: str, culprits: list[int]) -> None:
+        self.conclude(message, culprits)
+        self.found = (message, culprits)
+        self._stop.set()
+
+    def _stop_for_posted(self) -> None:
+        self.conclude(*self.posted())
+        self._stop.set()
+
+
+def test_ranks_with_clients_of_one_tcpstore_name_the_rank_that_froze():
+    """What bench/heartbeat_scale.py runs by the thousand: every rank its own client."""
+    master = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [Simulated(torch_dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                                           timeout=heartbeat_module.client_timeout(2)),
+                       rank, 5, silent_after=2.0, prefix="sim") for rank in range(5)]
+    dist.at_step(4)
+    with dist.phase("forward"):
+        for rank in ranks:
+            rank.found = None
+            rank.start()
+        time.sleep(0.5)
+        ranks[2]._stop.set()  # rank 2's heartbeat stops, as in a process that froze
+        deadline = time.monotonic() + 10
+        while not all(r._stop.is_set() for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for rank in ranks:
+        rank._stop.set()
+        rank._thread.join()
+        rank._guard.join()
+    assert ranks[3].found is not None, "the rank after the frozen one did not name it"
+    message, culprits = ranks[3].found
+    assert culprits == [2], message
+    assert re.fullmatch(r"rank 2 silent for \d s, last seen at step 4 in forward; "
+                        r"ranks 0, 1, 3, 4 waiting at step 4 in forward", message), message
+    assert [r.found for r in ranks if r.rank != 3] == [None] * 4  # the others read it
+    assert master.add("sim/told", 0) == 4
+
+
 class BlockedStore:
     """A store whose host froze, or was cut off: every call blocks (torch's store client may
     never return then, whatever its timeout)."""

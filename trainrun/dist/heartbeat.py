@@ -258,6 +258,8 @@ class Heartbeat:
         self.failing = False  # set once this rank's main thread handles a failure itself
         self._concluding, self._concluded = threading.Lock(), False
         self._seq = 0
+        self._reported: set[int] = set()  # ranks whose beat key this rank has seen
+        self._due = 0.0  # when this rank's next beat is due (monotonic clock)
         self._started = 0.0  # when this rank's heartbeat started (its clock)
         self._answered = time.monotonic()  # when the store last answered
         self._refused: tuple[float, BaseException] | None = None  # since when, and how
@@ -299,10 +301,14 @@ class Heartbeat:
         self.store.set(self.key(self.rank), beat.encode())
 
     def _run(self) -> None:
-        """Report this rank, and watch the one before it and the posted stop (store calls)."""
+        """Report this rank, and watch the one before it and the posted stop (store calls).
+        The ranks' beats are spread over the interval (rank r's at r / world_size of it),
+        so the store serves them evenly instead of every rank's at once (which, at 4096
+        ranks, kept requests waiting in its queue for up to a few hundred ms each second)."""
         watched = (self.rank - 1) % self.world_size
         last_seq, changed = -1, time.monotonic()
-        while not self._stop.wait(self.interval):
+        self._due = time.monotonic() + self.interval * self.rank / self.world_size
+        while not self._stop.wait(self._until_next_beat()):
             try:
                 self._beat()
                 if self.store.check([self.key("stop")]):
@@ -320,6 +326,15 @@ class Heartbeat:
                 last_seq, changed = beat.seq, time.monotonic()
             elif time.monotonic() - changed >= self.silent_after and not self.failing:
                 self._exit(*self._post(*self.account()))
+
+    def _until_next_beat(self) -> float:
+        """Seconds until this rank's next beat: the first time still ahead on its grid (every
+        interval, from its offset), so a beat that ran late (a slow store) is not followed by
+        one at once."""
+        now = time.monotonic()
+        if self._due <= now:
+            self._due += ((now - self._due) // self.interval + 1) * self.interval
+        return self._due - now
 
     def _watch_job(self) -> None:
         """End this rank when the job is lost to it (never touching the store, whose calls may
@@ -355,7 +370,11 @@ class Heartbeat:
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this
         rank's main thread `GRACE` seconds to fail by itself, as it does when it waits on a
-        failed rank that then exits; if it does not, it is stuck: end this process."""
+        failed rank that then exits; if it does not, it is stuck: end this process. A rank
+        whose main thread handles a failure itself (it posted it, or explains it) is not
+        counted as told: the failing rank waits on the others' count."""
+        if self.failing:
+            return
         self.conclude(*self.posted())
         deadline = time.monotonic() + self.GRACE
         while time.monotonic() < deadline and not self.failing:
@@ -382,12 +401,20 @@ class Heartbeat:
     # -------------------------------------------------------- the store
 
     def _read(self, rank: int) -> Beat | None:
+        """``rank``'s last beat, None before its first. Once its key is there it stays (for
+        this generation), so a beat then costs this rank three store requests, not four."""
         key = self.key(rank)
-        return Beat.decode(self.store.get(key)) if self.store.check([key]) else None
+        if rank not in self._reported:
+            if not self.store.check([key]):
+                return None
+            self._reported.add(rank)
+        return Beat.decode(self.store.get(key))
 
     def beats(self) -> dict[int, Beat | None]:
+        """Every rank's last beat (None: none yet): two store requests when every rank has
+        reported (one `check` of all keys, one `multi_get`), not one per rank."""
         keys = [self.key(r) for r in range(self.world_size)]
-        present = [k for k in keys if self.store.check([k])]
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
         values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
         return {r: Beat.decode(values[k]) if k in values else None
                 for r, k in enumerate(keys)}
@@ -489,8 +516,14 @@ def _store(silent_after: float) -> torch_dist.Store | None:
     if not hasattr(store, "clone"):
         return store
     own = store.clone()
-    own.set_timeout(datetime.timedelta(seconds=max(5.0, min(30.0, silent_after / 4))))
+    own.set_timeout(client_timeout(silent_after))
     return own
+
+
+def client_timeout(silent_after: float) -> datetime.timedelta:
+    """How long one heartbeat store call may take before it gives up: a few beats, so a slow
+    call fails (and is retried at the next beat) well before the rank counts as silent."""
+    return datetime.timedelta(seconds=max(5.0, min(30.0, silent_after / 4)))
 
 
 def _prefix() -> str:
