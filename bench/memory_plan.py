@@ -8,9 +8,10 @@ Measured: for each N, N gloo processes (spawned here, one thread each) train the
 Runner under ddp, fsdp (a shard unit per block) and DeepSpeed ZeRO-1/2/3 (fp32; ZeRO-0/2/3
 in bf16; offloads). Every rank measures what it holds by kind (`Strategy.state_tensors`: parameters,
 gradients, optimiser state; each storage counted once, by its data_ptr) just before and after
-each optimiser step (`memory.PeakWatch`), and keeps each kind's peak. The table sets the plan
-(`Strategy.memory_plan`, the most any rank holds) beside the rank that held most, in MiB, and
-their ratio (plan / measured total); the bar is within 10 % for every kind.
+each optimiser step (`trainrun.runner.memory_watch.watch_memory`), and keeps each kind's peak.
+The table sets the plan (`Strategy.memory_plan`, the most any rank holds) beside the rank that
+held most, in MiB, and their ratio (plan / measured total); the bar is within 10 % for every
+kind.
 
 Extrapolated: the plan alone for a 7B-parameter tinylm (n_embd 4096, 34 layers) on 64 ranks,
 with DeepSpeed's estimate (``estimate_zero2/3_model_states_mem_needs``, which assumes 16-bit
@@ -31,9 +32,9 @@ from omegaconf import OmegaConf
 
 from trainrun.runner.builder import build_meta_model, plan_memory
 from trainrun.runner.config import load_config
-from trainrun.runner.hooks.base import Hook
+from trainrun.runner.memory_watch import watch_memory
 from trainrun.runner.runner import Runner
-from trainrun.wrappers.memory import KINDS, PeakWatch, StateBytes
+from trainrun.wrappers.memory import KINDS, StateBytes
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tinylm_ddp.yaml"
 RUN = ["data.train.batch_size=4", "data.val=null", "schedule.max_iters=2",
@@ -65,41 +66,10 @@ def _cfg(case: str, model: list[str], work_dir: str = "unused") -> Any:
     return load_config(str(CONFIG), [*RUN, *model, *CASES[case], f"work_dir={work_dir}"])
 
 
-def after_deepspeed_backward(runner: Runner, watch: PeakWatch) -> None:
-    """Under DeepSpeed, measure also right after its engine's backward: ZeRO-1/2 hold their
-    reduced gradients there, before the optimiser step takes its fp32 partition of them."""
-    engine = getattr(runner.strategy, "engine", None)
-    if engine is None:
-        return
-    backward = engine.backward
-
-    def measured(*args: Any, **kwargs: Any) -> Any:
-        result = backward(*args, **kwargs)
-        watch.take()
-        return result
-
-    engine.backward = measured
-
-
-class AfterEachStep(Hook):
-    """Measures what the rank holds after each training step (the optimiser's hooks measure
-    around its step)."""
-
-    def __init__(self, watch: PeakWatch):
-        self.watch = watch
-
-    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
-                         outputs: Any = None) -> None:
-        self.watch.take()
-
-
 def _measure(case: str, model: list[str], work_dir: str) -> dict[str, int]:
     """On one rank: train 2 steps under ``case``; the peak bytes this rank held by kind."""
     with Runner.from_cfg(_cfg(case, model, work_dir)) as runner:
-        watch = PeakWatch(runner.optimizer, lambda: runner.strategy.state_tensors(
-            runner.model, runner.optimizer))
-        runner.hooks.append(AfterEachStep(watch))
-        after_deepspeed_backward(runner, watch)
+        watch = watch_memory(runner)
         runner.train()
         watch.close()
     return {kind: watch.peak.kind(kind) for kind in KINDS}

@@ -8,7 +8,6 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,11 +16,11 @@ from omegaconf import OmegaConf
 from trainrun.cli import train as train_tool
 from trainrun.runner.builder import plan_memory
 from trainrun.runner.config import load_config
-from trainrun.runner.hooks.base import Hook
+from trainrun.runner.memory_watch import watch_memory
 from trainrun.runner.optim import _STATES, state_tensors
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import STRATEGIES as STRATEGY_CLASSES
-from trainrun.wrappers.memory import KINDS, PeakWatch, param_specs
+from trainrun.wrappers.memory import KINDS, param_specs
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[2]
                                                    / ".venv" / "torch_extensions"))
@@ -146,34 +145,6 @@ STRATEGIES = {
 }
 
 
-def after_deepspeed_backward(runner: Runner, watch: PeakWatch) -> None:
-    """Under DeepSpeed, measure also right after its engine's backward: ZeRO-1/2 hold their
-    reduced gradients there, before the optimiser step takes its fp32 partition of them."""
-    engine = getattr(runner.strategy, "engine", None)
-    if engine is None:
-        return
-    backward = engine.backward
-
-    def measured(*args: Any, **kwargs: Any) -> Any:
-        result = backward(*args, **kwargs)
-        watch.take()
-        return result
-
-    engine.backward = measured
-
-
-class AfterEachStep(Hook):
-    """Measures what the rank holds after each training step (the optimiser's hooks measure
-    around its step)."""
-
-    def __init__(self, watch: PeakWatch):
-        self.watch = watch
-
-    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
-                         outputs: Any = None) -> None:
-        self.watch.take()
-
-
 def _plan_and_measure(config: str, overrides: list[str], work_dir: str) -> tuple[dict, dict]:
     """On every rank: the plan for this job's size, and the peak this rank held by kind over
     2 training steps."""
@@ -181,10 +152,7 @@ def _plan_and_measure(config: str, overrides: list[str], work_dir: str) -> tuple
     plan = plan_memory(OmegaConf.to_container(cfg, resolve=True),
                        torch.distributed.get_world_size())
     with Runner.from_cfg(cfg) as runner:
-        watch = PeakWatch(runner.optimizer, lambda: runner.strategy.state_tensors(
-            runner.model, runner.optimizer))
-        runner.hooks.append(AfterEachStep(watch))
-        after_deepspeed_backward(runner, watch)
+        watch = watch_memory(runner)
         runner.train()
         watch.close()
     assert watch.steps == 2

@@ -219,6 +219,11 @@ class Strategy(ABC):
         return {"params": params, "grads": [p.grad for p in params],
                 "optim": optimizer_tensors(optimizer)}
 
+    def measure_inside_step(self, take: Callable[[], None]) -> None:  # noqa: B027 - optional
+        """Have ``take`` called wherever inside a training step this strategy's state peaks
+        apart from around the optimiser's step (which `memory.PeakWatch` measures itself).
+        This default: nowhere else."""
+
     def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                         extra: dict[str, Any]) -> None:
         """Write model, optimiser and ``extra`` to ``path``; called on every rank.

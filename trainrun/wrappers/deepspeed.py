@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -673,6 +673,20 @@ class DeepSpeedStrategy(Strategy):
         found["grads"] += [t.grad for t in masters]
         found["grads"] += _tensors_in([getattr(zero, name, None) for name in _GRAD_BUFFERS])
         return found
+
+    def measure_inside_step(self, take: Callable[[], None]) -> None:
+        """Also right after the engine's backward: ZeRO-1/2 hold their reduced gradients
+        there, before the optimiser step takes its fp32 partition of them."""
+        if self.engine is None:
+            return
+        backward = self.engine.backward
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            result = backward(*args, **kwargs)
+            take()
+            return result
+
+        self.engine.backward = measured
 
     def configure(self, batch_size: int | None, optim: Mapping[str, Any],
                   precision: str) -> None:
