@@ -52,6 +52,10 @@ def _worker(conn: Connection, rank: int, world_size: int) -> None:
                 "gloo", store=torch_dist.PrefixStore(f"call{call}", store), rank=rank,
                 world_size=world_size, timeout=timeout,
             )
+            # gloo's mesh can be whole for one rank while another still finishes its
+            # handshake: without this, a body that makes no collective lets a quick rank
+            # leave the group and close a socket the slower one is still reading from
+            torch_dist.barrier()
             timeouts.set_timeout(timeout)
             reply = ("ok", body(*args))
         except BaseException:  # noqa: B036 - report everything, the parent decides
