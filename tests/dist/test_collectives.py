@@ -221,6 +221,26 @@ def test_gather_to_one_rank(on_ranks, world_size, dst):
         assert gathered == (expected if rank == actual_dst else [])
 
 
+def _gather_rows_body(dst):
+    rank, world = dist.get_dist_info()
+    dst = min(dst, world - 1)
+    rows = dist.gather_rows(torch.tensor([rank, 0.5 * rank, 2**40 + rank], dtype=torch.float64),
+                            dst=dst)
+    if rank != dst:
+        assert rows is None
+        return None
+    assert rows.dtype == torch.float64 and rows.shape == (world, 3)
+    return rows.tolist()
+
+
+@pytest.mark.parametrize("dst", [0, 1])
+def test_gather_rows_stacks_every_rank_in_rank_order_on_one_rank(on_ranks, world_size, dst):
+    results = on_ranks(_gather_rows_body, dst)
+    expected = [[r, 0.5 * r, 2**40 + r] for r in range(world_size)]
+    assert results[min(dst, world_size - 1)] == expected
+    assert sum(result is not None for result in results) == 1
+
+
 def _gather_torch_shape_body():
     rank, world = dist.get_dist_info()
     gather_list = [torch.empty(2) for _ in range(world)] if rank == 0 else None

@@ -14,7 +14,7 @@ import torch
 
 import trainrun.dist as dist
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
-from trainrun.runner.hooks.logger import peak_memory_mb
+from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb
 from trainrun.runner.hooks.timer import batch_counts
 from trainrun.runner.logging import MetricsFile
 from trainrun.runner.runner import Runner
@@ -231,6 +231,32 @@ def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
             <= set(record)
         assert "grad_norm" not in record  # this wrapper measures none
     assert records[-1] == {"step": 5, "mode": "val", "mse": 0.25, "accuracy": 0.5}
+
+
+def _gather_logged_body():
+    rank, world = dist.get_dist_info()
+    values = {"loss": torch.tensor(0.1 + rank / 3), "aux": torch.tensor(1.5 + rank,
+                                                                      dtype=torch.bfloat16),
+              "count": 2.0 * rank}
+    kept = values["loss"].clone()
+    gathered = gather_logged(values, [8.0, 0.0, 100.0 + rank])
+    assert torch.equal(values["loss"], kept)  # the outputs are left as they were
+    if rank != 0:
+        assert gathered is None
+        return None
+    means, counts = gathered
+    return means, counts.tolist()
+
+
+def test_gather_logged_means_each_value_in_its_dtype_and_keeps_every_ranks_counts(on_ranks,
+                                                                                   world_size):
+    means, counts = on_ranks(_gather_logged_body)[0]
+    losses = torch.tensor([0.1 + r / 3 for r in range(world_size)])  # float32, as logged
+    assert means["loss"] == torch.true_divide(losses.sum(), world_size).item()  # to the bit
+    aux = torch.tensor([1.5 + r for r in range(world_size)], dtype=torch.bfloat16)
+    assert means["aux"] == torch.true_divide(aux.sum(), world_size).item()
+    assert means["count"] == pytest.approx(world_size - 1)
+    assert counts == [[8.0, 0.0, 100.0 + r] for r in range(world_size)]
 
 
 def test_without_step_metrics_the_logger_writes_the_same_means_and_no_metrics(run_on, tmp_path):

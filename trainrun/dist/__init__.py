@@ -19,6 +19,7 @@ from trainrun.dist.collectives import (
     all_reduce_params,
     broadcast,
     gather,
+    gather_rows,
     reduce,
     sync_random_seed,
 )
@@ -73,9 +74,10 @@ __all__ = [
     "at_checkpoint", "at_step",
     "barrier", "broadcast", "broadcast_object_list", "cast_data_device", "collect_results",
     "collect_results_cpu", "collect_results_gpu", "expand_nodelist", "gather", "gather_object",
-    "get_backend", "get_comm_device", "get_data_device", "get_default_group", "get_device",
-    "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank", "get_local_size",
-    "get_rank", "get_world_size", "infer_launcher", "init_dist", "init_local_group",
-    "is_comm_error", "is_distributed", "is_main_process", "leave_dist", "master_only", "phase",
-    "reduce", "set_default_dist_backend", "set_phase", "sync_random_seed", "watch_ranks",
+    "gather_rows", "get_backend", "get_comm_device", "get_data_device", "get_default_group",
+    "get_device", "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank",
+    "get_local_size", "get_rank", "get_world_size", "infer_launcher", "init_dist",
+    "init_local_group", "is_comm_error", "is_distributed", "is_main_process", "leave_dist",
+    "master_only", "phase", "reduce", "set_default_dist_backend", "set_phase", "sync_random_seed",
+    "watch_ranks",
 ]

@@ -221,6 +221,28 @@ def gather(data: Tensor, *args: Any, **kwargs: Any) -> Any:
     return Handle() if params["async_op"] else None
 
 
+def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None) -> Tensor | None:
+    """Every rank's ``row`` (a 1-d tensor of the same length and dtype on every rank) stacked
+    in rank order on ``dst``, a (world_size, length) tensor; None on the other ranks.
+
+    One gather and no exchange of shapes (`gather` takes rows of any shape at the cost of a
+    second collective).
+    """
+    if get_world_size(group) == 1:
+        return row.reshape(1, -1)
+    group = _group(group)
+    buffer = _for_comm(row, group)
+    target = _global_rank(group, dst)
+    with named_operation("gather", group):
+        if get_rank(group) != dst:
+            torch_dist.gather(buffer, None, dst=target, group=group)
+            return None
+        rows = torch.empty((get_world_size(group), buffer.numel()), dtype=buffer.dtype,
+                           device=buffer.device)
+        torch_dist.gather(buffer, list(rows.unbind(0)), dst=target, group=group)
+    return rows.to(row.device)
+
+
 def broadcast(data: Tensor, src: int = 0, group: ProcessGroup | None = None,
               async_op: bool = False) -> Handle | None:
     """Send ``src``'s ``data`` to every rank, in place (non-contiguous tensors too)."""

@@ -13,7 +13,7 @@ import math
 import sys
 from logging.handlers import MemoryHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from trainrun.dist import get_rank, master_only
 
@@ -108,21 +108,27 @@ def _plain(value: Any) -> Any:
 
 class MetricsFile:
     """Appends one JSON object per line to ``metrics.jsonl``; writes on rank 0 only. A line
-    that a killed run left cut short is ended first, so a resumed run's lines stay whole."""
+    that a killed run left cut short is ended first, so a resumed run's lines stay whole.
+    The file stays open between lines (opening it costs about as much as the line itself)
+    and each line is flushed as it is written, so a killed run loses none."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._first = True
+        self._file: TextIO | None = None
 
     @master_only
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({key: _plain(value) for key, value in record.items()}) + "\n"
-        if self._first:
-            self._first = False
+        if self._file is None:
             if self.path.is_file() and self.path.stat().st_size:
                 with open(self.path, "rb") as f:
                     f.seek(-1, 2)
                     if f.read(1) != b"\n":
                         line = "\n" + line
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        self._file.write(line)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -783,6 +783,7 @@ class Runner:
         DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
         """
         self.checkpoints.abandon()
+        self.metrics_file.close()
         if self.run_lock is not None:
             self.run_lock.release()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None

@@ -1,9 +1,9 @@
 """Training and validation numbers to the console, metrics.jsonl and the trackers.
 
-Every ``interval`` iterations the logged values are averaged over the ranks (one small
-collective on every rank) and rank 0 writes them, with the step metrics (`STEP_METRICS`:
-gradient norm, throughput, where the time went, peak memory; the ranks' counts averaged while
-the logged step computes) unless ``logging.step_metrics`` is false.
+Every ``interval`` iterations each rank sends its logged values, with its counts for the step
+metrics, to rank 0 in one small collective, and rank 0 writes the values' means over the
+ranks with the step metrics (`STEP_METRICS`: gradient norm, throughput, where the time went,
+peak memory) unless ``logging.step_metrics`` is false.
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainrun.dist import Handle, all_reduce, all_reduce_dict, get_dist_info, is_main_process
+from trainrun.dist import gather_rows, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
@@ -37,7 +37,6 @@ TIMES = ("time", "data_time", "compute_time")  # seconds an iteration: all, wait
 STEP_METRICS = (*TIMES, "samples_per_s", "tokens_per_s", "peak_memory_mb")
 # values that differ from one run to the next, as wall-clock times and memory do
 NOT_REPRODUCIBLE = STEP_METRICS
-COUNTS = "\0step metrics"  # the key of `rank_counts` in the logged values' reduction
 
 
 def _number(value: Any) -> float:
@@ -61,7 +60,6 @@ class LoggerHook(Hook):
         self.interval = interval
         self.step_metrics = step_metrics
         self._measuring: bool | None = None  # what the optimiser wrapper was last asked
-        self._counts: tuple[torch.Tensor, Handle] | None = None  # see before_train_iter
         self.backends = list(backends or BACKENDS)
         show_bar = sys.stderr.isatty() if progress_bar is None else progress_bar
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
@@ -90,20 +88,15 @@ class LoggerHook(Hook):
         return every(step, self.interval) or step == max_iters
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
-        """Before a step that is logged, with the step metrics: ask the optimiser wrapper for
-        the gradient norm (without clipping it costs a pass over the gradients; the wrapper is
-        told only when the answer changes), and start averaging the ranks' counts, so that
-        they travel while the step computes: in the logged values' collective, 4 more
-        numbers cost gloo more than a 1-number one, twice the time for a loss alone."""
+        """Before a step that is logged, with the step metrics, ask the optimiser wrapper for
+        the gradient norm: without clipping it costs a pass over the gradients. The wrapper is
+        told only when the answer changes."""
         if not self.step_metrics:
             return
         logs = self.logs(runner.iter + 1, runner.max_iters)
         if logs is not self._measuring:
             measure_grad_norm(runner.optim_wrapper, logs)
             self._measuring = logs
-        if logs:
-            counts = rank_counts(runner)
-            self._counts = (counts, all_reduce(counts, op="mean", async_op=True))
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
@@ -111,23 +104,13 @@ class LoggerHook(Hook):
             self._bar.update(1)
         if not self.logs(runner.iter, runner.max_iters):
             return
-        # every rank takes part; on copies, so that later hooks see this rank's own outputs (a
-        # dict of one tensor is reduced in that tensor's memory). The counts started before
-        # the step; without that (a step the hook did not see start), they go with the values
-        values = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                  for k, v in outputs.items()}
-        if self.step_metrics and self._counts is None:
-            values[COUNTS] = rank_counts(runner)
-        values = all_reduce_dict(values, op="mean")
-        counts = values.pop(COUNTS, None)
-        if self._counts is not None:
-            counts, handle = self._counts
-            self._counts = None
-            handle.wait()
-        if not is_main_process():
+        # every rank takes part; outputs are left as they are, for the hooks after this one
+        gathered = gather_logged(outputs, rank_counts(runner) if self.step_metrics else None)
+        if gathered is None:  # not rank 0
             return
-        record = {"step": runner.iter, "epoch": runner.epoch + 1,
-                  **{k: _number(v) for k, v in values.items()}, "lr": runner.optim_wrapper.get_lr()}
+        values, counts = gathered
+        record = {"step": runner.iter, "epoch": runner.epoch + 1, **values,
+                  "lr": runner.optim_wrapper.get_lr()}
         timer = runner.timer
         record.update(time=timer.iter_time, data_time=timer.data_time)
         if counts is not None:
@@ -219,33 +202,51 @@ class LoggerHook(Hook):
         self._tracking = False
 
 
-def rank_counts(runner: Any) -> torch.Tensor:
+def rank_counts(runner: Any) -> list[float]:
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
-    over the timer's window, and its peak memory in a slot of its own (so that a mean over
-    the ranks keeps every rank's). Averaged over the ranks (float32, as a loss is) while the
-    logged step computes (`LoggerHook.before_train_iter`; the timer has counted its batch)."""
+    over the timer's window (tokens 0 where its batches state none), and its peak memory."""
     _, samples, tokens = runner.timer.window_counts()
-    rank, world_size = get_dist_info()
-    peaks = [0.0] * world_size
-    peaks[rank] = peak_memory_mb(runner.device)
-    return torch.tensor([float(samples), float(tokens or 0), *peaks])  # one float32 tensor
+    return [float(samples), float(tokens or 0), peak_memory_mb(runner.device)]
+
+
+def gather_logged(values: dict[str, Any], counts: list[float] | None
+                  ) -> tuple[dict[str, float], torch.Tensor | None] | None:
+    """On rank 0: each logged value's mean over the ranks, and every rank's ``counts`` (a row
+    each, None without counts); None on the other ranks.
+
+    One gather of one float64 row a rank (`gather_rows`). On gloo it costs what an all_reduce
+    of a single number does (one exchange between two ranks), where an all_reduce of more than
+    one number takes two, and a second collective for the counts another. float64 holds every
+    float32, float16 and bfloat16 value and every count exactly; each mean is then taken in its
+    value's own dtype, the sum over the ranks and a true division by their number, so that a
+    float32 loss's mean has the bits an all_reduce of it gives (on two ranks, where the order
+    of a sum cannot matter; on more, the ranks are summed in rank order).
+    """
+    dtypes = [v.dtype if isinstance(v, torch.Tensor) else torch.float64 for v in values.values()]
+    row = torch.tensor([*map(_number, values.values()), *(counts or ())], dtype=torch.float64)
+    rows = gather_rows(row)
+    if rows is None:
+        return None
+    world_size = rows.shape[0]
+    means = {key: torch.true_divide(rows[:, i].to(dtype).sum(), world_size).item()
+             for i, (key, dtype) in enumerate(zip(values, dtypes, strict=True))}
+    return means, rows[:, len(values):] if counts is not None else None
 
 
 def step_metrics(runner: Any, counts: torch.Tensor) -> dict[str, float]:
     """The step metrics of a logged line, on rank 0: the gradient norm of the step (where its
     optimiser stepped), compute time, samples (and tokens) a second of all ranks over the
-    timer's window, and the largest peak memory of any rank; ``counts`` is the mean over the
-    ranks of their `rank_counts`."""
+    timer's window, and the largest peak memory of any rank; ``counts`` holds every rank's
+    `rank_counts`, a row each."""
     timer = runner.timer
     out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
     seconds, _, tokens = timer.window_counts()
-    world_size = get_dist_info()[1]
-    summed = [count * world_size for count in counts.tolist()]  # float32 means, in doubles
+    samples, all_tokens = (round(total) for total in counts[:, :2].sum(0).tolist())
     out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
-    out["samples_per_s"] = round(summed[0]) / seconds if seconds else 0.0
+    out["samples_per_s"] = samples / seconds if seconds else 0.0
     if tokens is not None:
-        out["tokens_per_s"] = round(summed[1]) / seconds if seconds else 0.0
-    out["peak_memory_mb"] = max(summed[2:])
+        out["tokens_per_s"] = all_tokens / seconds if seconds else 0.0
+    out["peak_memory_mb"] = counts[:, 2].max().item()
     return out
 
 
