@@ -78,6 +78,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import trainrun.dist.heartbeat as heartbeat
 import trainrun.runner.hooks.logger as logger_module
+import trainrun.runner.preemption as preemption_module
 from trainrun.examples import resolve
 from trainrun.runner.hooks import Hook, LoggerHook, PreemptionHook
 from trainrun.runner.runner import Runner
@@ -275,6 +276,7 @@ class Tally:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self.writes = {"step": 0, "phase": 0, "checkpoint": 0}
         self.blocks = 0  # `phase` blocks entered
         self.steps = 0  # steps timed
@@ -283,6 +285,7 @@ class Tally:
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         self.seconds.setdefault(key, 0.0)
+        self.calls.setdefault(key, 0)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
@@ -292,6 +295,7 @@ class Tally:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[key] += time.perf_counter() - start
+                self.calls[key] += 1
         return timed
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
@@ -303,13 +307,15 @@ class Tally:
             if hook is clock:
                 continue
             key = {LoggerHook: LOGGER_REST,
-                   PreemptionHook: "preemption check"}.get(type(hook),
+                   PreemptionHook: PREEMPTION}.get(type(hook),
                                                           f"hook {type(hook).__name__}")
             for name in ("before_train_iter", "after_train_iter"):
                 if getattr(type(hook), name) is not getattr(Hook, name):
                     setattr(hook, name, self._timed(key, getattr(hook, name)))
         self._patch(logger_module, "gather_logged",
                     self._timed(LOGGER_GATHER, logger_module.gather_logged))
+        self._patch(preemption_module, "all_reduce",
+                    self._timed(PREEMPTION_REDUCE, preemption_module.all_reduce))
         self._patch(heartbeat, "_place", _CountingPlace(self))
         enter = heartbeat.phase.__enter__
 
@@ -340,6 +346,8 @@ class Tally:
 _MISSING = object()
 LOGGER_GATHER = "logger: the logged numbers gathered to rank 0"
 LOGGER_REST = "logger: the rest (rank 0 writes; grad-norm request)"
+PREEMPTION = "preemption check"
+PREEMPTION_REDUCE = "preemption check: the ranks' all_reduce"
 
 
 def phase_costs(repeat: int = 200_000) -> dict[str, float]:
@@ -362,11 +370,29 @@ def phase_costs(repeat: int = 200_000) -> dict[str, float]:
     return {name: max(cost - loop, 0.0) for name, cost in costs.items()}
 
 
+def lockstep_seconds(call: Callable[[], Any], repeat: int = 60) -> float:
+    """The median time of ``call``, a collective, when every rank starts it together."""
+    times = []
+    for _ in range(repeat):
+        torch_dist.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def breakdown(tally: Tally) -> dict[str, float]:
     """Microseconds a step of each piece the tally timed or counted (this rank's)."""
     steps = tally.steps
     per_step = {key: seconds / steps * 1e6 for key, seconds in tally.seconds.items()}
     per_step[LOGGER_REST] -= per_step[LOGGER_GATHER]  # timed inside the logger's own time
+    per_step[PREEMPTION] -= per_step.pop(PREEMPTION_REDUCE)  # the same
+    # the collectives' own time, without the wait for a rank that is behind (which a step of
+    # the raw loop absorbs too, in its next gradient all_reduce): in lockstep, times the count
+    per_step[LOGGER_GATHER] = tally.calls[LOGGER_GATHER] / steps * lockstep_seconds(
+        lambda: logger_module.gather_logged({"loss": torch.tensor(0.5)}, [8.0, 0.0, 9.0])) * 1e6
+    per_step[PREEMPTION_REDUCE] = tally.calls[PREEMPTION_REDUCE] / steps * lockstep_seconds(
+        lambda: preemption_module.all_reduce(torch.zeros(2, dtype=torch.int32), op="max")) * 1e6
     costs = phase_costs()
     set_phase_calls = tally.writes["phase"] - 2 * tally.blocks  # a block writes twice
     per_step["phase tracking"] = (tally.writes["step"] * costs["at_step"]

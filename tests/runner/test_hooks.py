@@ -245,7 +245,7 @@ def _gather_logged_body():
         assert gathered is None
         return None
     means, counts = gathered
-    return means, counts.tolist()
+    return means, counts
 
 
 def test_gather_logged_means_each_value_in_its_dtype_and_keeps_every_ranks_counts(on_ranks,

@@ -210,43 +210,50 @@ def rank_counts(runner: Any) -> list[float]:
 
 
 def gather_logged(values: dict[str, Any], counts: list[float] | None
-                  ) -> tuple[dict[str, float], torch.Tensor | None] | None:
-    """On rank 0: each logged value's mean over the ranks, and every rank's ``counts`` (a row
+                  ) -> tuple[dict[str, float], list[list[float]] | None] | None:
+    """On rank 0: each logged value's mean over the ranks, and every rank's ``counts`` (a list
     each, None without counts); None on the other ranks.
 
     One gather of one float64 row a rank (`gather_rows`). On gloo it costs what an all_reduce
     of a single number does (one exchange between two ranks), where an all_reduce of more than
     one number takes two, and a second collective for the counts another. float64 holds every
-    float32, float16 and bfloat16 value and every count exactly; each mean is then taken in its
-    value's own dtype, the sum over the ranks and a true division by their number, so that a
-    float32 loss's mean has the bits an all_reduce of it gives (on two ranks, where the order
-    of a sum cannot matter; on more, the ranks are summed in rank order).
+    float32, float16 and bfloat16 value and every count exactly; the means are then taken in
+    their values' own dtype, the sum over the ranks and a true division by their number, so
+    that a float32 loss's mean has the bits an all_reduce of it gives (on two ranks, where the
+    order of a sum cannot matter; on more, torch sums the ranks' rows).
     """
+    keys = list(values)
     dtypes = [v.dtype if isinstance(v, torch.Tensor) else torch.float64 for v in values.values()]
     row = torch.tensor([*map(_number, values.values()), *(counts or ())], dtype=torch.float64)
     rows = gather_rows(row)
     if rows is None:
         return None
-    world_size = rows.shape[0]
-    means = {key: torch.true_divide(rows[:, i].to(dtype).sum(), world_size).item()
-             for i, (key, dtype) in enumerate(zip(values, dtypes, strict=True))}
-    return means, rows[:, len(values):] if counts is not None else None
+    world_size, block = rows.shape[0], rows[:, :len(keys)]
+    means: dict[str, float] = {}
+    for dtype in dict.fromkeys(dtypes):  # usually one: a few tensor operations in all
+        columns = [i for i, d in enumerate(dtypes) if d == dtype]
+        sums = (block if len(columns) == len(keys) else block[:, columns]).to(dtype).sum(0)
+        means.update(zip((keys[i] for i in columns),
+                         torch.true_divide(sums, world_size).tolist(), strict=True))
+    return ({key: means[key] for key in keys},
+            rows[:, len(keys):].tolist() if counts is not None else None)
 
 
-def step_metrics(runner: Any, counts: torch.Tensor) -> dict[str, float]:
+def step_metrics(runner: Any, counts: list[list[float]]) -> dict[str, float]:
     """The step metrics of a logged line, on rank 0: the gradient norm of the step (where its
     optimiser stepped), compute time, samples (and tokens) a second of all ranks over the
     timer's window, and the largest peak memory of any rank; ``counts`` holds every rank's
-    `rank_counts`, a row each."""
+    `rank_counts`."""
     timer = runner.timer
     out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
     seconds, _, tokens = timer.window_counts()
-    samples, all_tokens = (round(total) for total in counts[:, :2].sum(0).tolist())
     out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
+    samples = round(sum(rank[0] for rank in counts))
     out["samples_per_s"] = samples / seconds if seconds else 0.0
     if tokens is not None:
+        all_tokens = round(sum(rank[1] for rank in counts))
         out["tokens_per_s"] = all_tokens / seconds if seconds else 0.0
-    out["peak_memory_mb"] = counts[:, 2].max().item()
+    out["peak_memory_mb"] = max(rank[2] for rank in counts)
     return out
 
 
