@@ -192,6 +192,17 @@ class RawLog:
             self.handler.close()
 
 
+def raw_logged_step(loss: torch.Tensor, world_size: int, log: RawLog, step: int, last: int,
+                    epoch: int, lr: float) -> float:
+    """The raw loop's work at a logged step: the loss averaged over the ranks (one all_reduce),
+    then rank 0's lines. Returns the mean."""
+    mean = loss.detach().reshape(1).clone()
+    torch_dist.all_reduce(mean)
+    value = torch.true_divide(mean, world_size).item()
+    log.write(step, last, epoch, value, lr)
+    return value
+
+
 def train_raw(job: Job, interval: int, work_dir: Path) -> Result:
     """The hand-written DDP loop; every ``interval`` steps it averages the loss over the ranks
     (one all_reduce) and rank 0 logs it (`RawLog`)."""
@@ -220,10 +231,8 @@ def train_raw(job: Job, interval: int, work_dir: Path) -> Result:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             if step % interval == 0 or step == last:
-                mean = loss.detach().reshape(1).clone()
-                torch_dist.all_reduce(mean)
-                losses[step] = torch.true_divide(mean, world_size).item()
-                log.write(step, last, epoch + 1, losses[step], optimizer.param_groups[0]["lr"])
+                losses[step] = raw_logged_step(loss, world_size, log, step, last, epoch + 1,
+                                               optimizer.param_groups[0]["lr"])
             if step == job.warmup:
                 clock.start()
             elif step == last:
@@ -348,6 +357,7 @@ LOGGER_GATHER = "logger: the logged numbers gathered to rank 0"
 LOGGER_REST = "logger: the rest (rank 0 writes; grad-norm request)"
 PREEMPTION = "preemption check"
 PREEMPTION_REDUCE = "preemption check: the ranks' all_reduce"
+RAW_LOGGING = "less the raw loop's logged steps (all_reduce, lines)"
 
 
 def phase_costs(repeat: int = 200_000) -> dict[str, float]:
@@ -381,8 +391,9 @@ def lockstep_seconds(call: Callable[[], Any], repeat: int = 60) -> float:
     return statistics.median(times)
 
 
-def breakdown(tally: Tally) -> dict[str, float]:
-    """Microseconds a step of each piece the tally timed or counted (this rank's)."""
+def breakdown(tally: Tally, work_dir: Path) -> dict[str, float]:
+    """Microseconds a step of each piece the tally timed or counted (this rank's), and, to set
+    against them, what the raw loop spends on its own logged steps (timed in lockstep too)."""
     steps = tally.steps
     per_step = {key: seconds / steps * 1e6 for key, seconds in tally.seconds.items()}
     per_step[LOGGER_REST] -= per_step[LOGGER_GATHER]  # timed inside the logger's own time
@@ -393,6 +404,11 @@ def breakdown(tally: Tally) -> dict[str, float]:
         lambda: logger_module.gather_logged({"loss": torch.tensor(0.5)}, [8.0, 0.0, 9.0])) * 1e6
     per_step[PREEMPTION_REDUCE] = tally.calls[PREEMPTION_REDUCE] / steps * lockstep_seconds(
         lambda: preemption_module.all_reduce(torch.zeros(2, dtype=torch.int32), op="max")) * 1e6
+    raw_log = RawLog(work_dir)
+    per_step[RAW_LOGGING] = -tally.calls[LOGGER_GATHER] / steps * lockstep_seconds(
+        lambda: raw_logged_step(torch.tensor(0.5), torch_dist.get_world_size(), raw_log, 1, 2, 1,
+                                1e-3)) * 1e6
+    raw_log.close()
     costs = phase_costs()
     set_phase_calls = tally.writes["phase"] - 2 * tally.blocks  # a block writes twice
     per_step["phase tracking"] = (tally.writes["step"] * costs["at_step"]
@@ -541,7 +557,7 @@ def show_breakdown(job: Job, interval: int, work_dir: Path, overhead_us: float,
     microseconds a step for every rank, beside the overhead the rounds measured."""
     tally = Tally()
     train_runner(job, interval, work_dir, tally=tally)
-    mine = breakdown(tally)
+    mine = breakdown(tally, work_dir / "raw-log")
     everyone: list[dict[str, float] | None] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(everyone, mine)
     ranks = range(len(everyone))
@@ -554,8 +570,8 @@ def show_breakdown(job: Job, interval: int, work_dir: Path, overhead_us: float,
         label = key if key != "phase tracking" else f"phase tracking ({records:.0f} records)"
         say(f"  {label:52s} " + "  ".join(f"{row[key]:7.1f}" for row in everyone))
     timed = [sum(row.values()) for row in everyone]
-    say(f"  {'timed in all':52s} " + "  ".join(f"{t:7.1f}" for t in timed))
-    say(f"  {'the rest (loop, step wrapper): overhead - slowest':52s} "
+    say(f"  {'timed in all, net':52s} " + "  ".join(f"{t:7.1f}" for t in timed))
+    say(f"  {'the rest (loop, step wrapper): overhead - largest':52s} "
         f"{overhead_us - max(timed):7.1f}  (by difference: as noisy as the overhead itself)")
 
 
