@@ -46,6 +46,7 @@ class Case:
     target: float  # MMEngine's time over trainrun's that the issue asks for
     short: bool = False  # a few milliseconds a call: more rounds
     seconds: dict[str, list[float]] = field(default_factory=dict)
+    cpu_seconds: dict[str, list[float]] = field(default_factory=dict)
     rss_mb: dict[str, float] = field(default_factory=dict)
 
 
@@ -132,19 +133,23 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def timed(call: Callable[[], Any], measure_rss: bool) -> tuple[Any, float, float]:
-    """Run ``call`` on every rank; return its result, the slowest rank's seconds, and this
-    rank's peak RSS increase in MB during the call (NaN when not measured)."""
+def timed(call: Callable[[], Any], measure_rss: bool) -> tuple[Any, float, float, float]:
+    """Run ``call`` on every rank; return its result, the slowest rank's wall seconds, the CPU
+    seconds of all ranks together (every thread, gloo's included: the work done, which other
+    jobs on the machine change far less than the wall time), and this rank's peak RSS increase
+    in MB during the call (NaN when not measured)."""
     gc.collect()
     rss_before = _status_kb("VmRSS")
     measure_rss = measure_rss and reset_peak_rss()
     torch_dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = call()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    cpu = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
     rss_mb = (_status_kb("VmHWM") - rss_before) / 1024 if measure_rss else float("nan")
-    torch_dist.all_reduce(elapsed, op=torch_dist.ReduceOp.MAX)
-    return out, float(elapsed.item()), rss_mb
+    torch_dist.all_reduce(wall, op=torch_dist.ReduceOp.MAX)
+    torch_dist.all_reduce(cpu)
+    return out, float(wall.item()), float(cpu.item()), rss_mb
 
 
 def run_case(case: Case, rounds: int, rank: int) -> None:
@@ -155,9 +160,10 @@ def run_case(case: Case, rounds: int, rank: int) -> None:
     measure = case.name.startswith("collect_results") and rank == 1
     for index in range(rounds):
         for name in names if index % 2 == 0 else names[::-1]:
-            out, seconds, rss_mb = timed(case.calls[name], measure)
+            out, seconds, cpu_seconds, rss_mb = timed(case.calls[name], measure)
             del out
             case.seconds.setdefault(name, []).append(seconds)
+            case.cpu_seconds.setdefault(name, []).append(cpu_seconds)
             if measure:
                 case.rss_mb[name] = max(case.rss_mb.get(name, 0.0), rss_mb)
 
@@ -222,6 +228,12 @@ def report(cases: list[Case], rss: dict[str, dict[str, float]], size: int, round
               f"{row.ratio_of_medians:.2f}x | {statistics.median(row.paired):.2f}x "
               f"({row.quartile(1):.2f}-{row.quartile(3):.2f}) | {faster:.0%} | "
               f">= {case.target:g}x | {'yes' if row.meets(case.target) else 'NO'} |")
+    print("\nCPU time of both ranks per call, every thread (median ms):\n")
+    print("| operation | MMEngine | trainrun | MMEngine/trainrun |")
+    print("|---|---:|---:|---:|")
+    for case in cases:
+        theirs, mine = (statistics.median(case.cpu_seconds[n]) for n in ("mmengine", "trainrun"))
+        print(f"| {case.name} | {theirs * 1e3:.1f} | {mine * 1e3:.1f} | {theirs / mine:.2f}x |")
     if rss:
         print("\nRank 1 peak RSS increase during collect_results (MB):\n")
         print("| operation | MMEngine | trainrun |")
