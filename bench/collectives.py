@@ -214,7 +214,7 @@ def report(cases: list[Case], rss: dict[str, dict[str, float]], size: int, round
     if verbose:
         for case in cases:
             for name, seconds in case.seconds.items():
-                print(f"{case.name:32} {name:9}", " ".join(f"{s:.3f}" for s in seconds))
+                print(f"{case.name:32} {name:9} ms", " ".join(f"{s * 1e3:.1f}" for s in seconds))
     print(f"\n{size:,} results on 2 ranks, gloo; after one untimed call each, {rounds} rounds "
           f"({rounds * SHORT_ROUNDS_FACTOR} for the 4 MB objects), order alternating; slowest "
           f"rank's wall time; load average {load[0]:.2f} before, {load[1]:.2f} after\n")
@@ -257,7 +257,7 @@ def main() -> None:
                         help=f"timed rounds of collect_results (default 21); the 4 MB objects "
                              f"get {SHORT_ROUNDS_FACTOR} times as many")
     parser.add_argument("--only", default="", help="run only operations whose name contains this")
-    parser.add_argument("--verbose", action="store_true", help="print every run's seconds too")
+    parser.add_argument("--verbose", action="store_true", help="print every round's wall time too")
     args = parser.parse_args()
 
     ours.init_dist("pytorch", "gloo")
