@@ -5,9 +5,9 @@ ranks are unpickled: a rank's own object is handed back as it is. `gather_object
 `collect_results` send point to point to one rank, which pickles nothing itself, so the others
 never hold the whole result list. `collect_results` sends results in chunks: pickling a chunk
 overlaps with unpickling the one before, and small pickles are faster than one big one. Each
-chunk's message ends with the next one's length, so its receive is posted before the chunk is
-unpickled: on a busy machine a rank waiting to be woken costs a scheduler tick (about 4 ms
-here), and a size message per chunk cost one such hand-off each.
+chunk's message ends with the next one's length, so the next receive is posted before a chunk
+is unpickled: on a busy machine a rank waiting to be woken may wait a scheduler tick (about
+4 ms here), and asking for each chunk's size first cost such a hand-off per message.
 """
 
 from __future__ import annotations
@@ -221,11 +221,11 @@ def _send_list(items: list, dst: int, group: ProcessGroup) -> None:
     """Send ``items`` to group rank ``dst`` in pickled chunks.
 
     The first message is the first chunk's size; every chunk then ends with the next one's
-    size (0 after the last). So the receiver always knows the next message's length as soon
-    as the current one arrives, and can post its receive before it unpickles: each message
-    waits for no hand-off between the ranks (a backend such as gloo sends only once the
-    receive is posted, and on a loaded machine each such hand-off costs a scheduler tick).
-    Sends are asynchronous, so the next chunk is pickled while this one travels.
+    size (0 after the last). So the receiver knows the next message's length as soon as the
+    current one arrives and posts its receive before it unpickles: the hand-off that gloo
+    needs per message (it sends only once the receive is posted; on a loaded machine the
+    sender may wait a scheduler tick to hear of it) overlaps with unpickling instead of
+    adding to it. Sends are asynchronous, so the next chunk is pickled while this one travels.
     """
     device = get_comm_device(group)
     peer = _global_rank(group, dst)
