@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import trainrun.dist as dist
+from trainrun.dist import objects
 
 
 def _broadcast_objects_body(src):
@@ -98,6 +99,33 @@ def _collect_body(size, device, tmpdir):
 def test_collect_results_restores_dataset_order(on_ranks, world_size, size, device):
     results = on_ranks(_collect_body, size, device, None)
     assert results[0] == size and results[1:] == [None] * (world_size - 1)
+
+
+def _collect_in_small_chunks_body(chunk_items, part_lengths):
+    """Parts sent in many chunks of ``chunk_items`` results: every chunk's trailer must name
+    the next one's length, and a rank with nothing to send sends just a zero."""
+    objects._CHUNK_ITEMS = chunk_items  # in this worker process only
+    try:
+        rank = dist.get_rank()
+        starts = [sum(part_lengths[:r]) for r in range(len(part_lengths))]
+        part = [_result(starts[rank] + i) for i in range(part_lengths[rank])]
+        return dist.collect_results(part, sum(part_lengths), device="gpu")
+    finally:
+        objects._CHUNK_ITEMS = 8192
+
+
+@pytest.mark.parametrize(("chunk_items", "part_lengths"), [
+    (3, [10, 9, 9]),  # several chunks, the last one short
+    (3, [6, 6, 6]),  # parts a whole number of chunks long
+    (1, [2, 0, 1]),  # a rank with an empty part
+])
+def test_collect_results_in_many_chunks(run_on, chunk_items, part_lengths):
+    collected = run_on(3)(_collect_in_small_chunks_body, chunk_items, part_lengths)
+    starts = [sum(part_lengths[:r]) for r in range(len(part_lengths))]
+    round_robin = [start + i for i in range(max(part_lengths))
+                   for start, length in zip(starts, part_lengths, strict=True) if i < length]
+    assert collected[0] == [_result(i) for i in round_robin]
+    assert collected[1:] == [None, None]
 
 
 def _collect_tmpdir_body(tmpdir):
