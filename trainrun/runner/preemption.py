@@ -78,11 +78,12 @@ class StopRequest:
         """The name of a stop signal if some rank had one, at the steps the ranks agree on;
         None otherwise. Every rank calls this at every step boundary; without a group the
         answer is this process's own, at once."""
-        if not is_distributed():
-            return signal.Signals(self.signum).name if self.signum else None
         self._countdown -= 1
-        if self._countdown > 0:
+        if self._countdown > 0:  # first: this is every step's whole cost between agreements
             return None
+        if not is_distributed():
+            self._countdown = 1
+            return signal.Signals(self.signum).name if self.signum else None
         proposal = 0
         if get_rank() == 0:  # the step time is known from the second agreement on
             proposal = 1
