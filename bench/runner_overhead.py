@@ -571,7 +571,7 @@ def show_breakdown(job: Job, interval: int, work_dir: Path, overhead_us: float,
         say(f"  {label:52s} " + "  ".join(f"{row[key]:7.1f}" for row in everyone))
     timed = [sum(row.values()) for row in everyone]
     say(f"  {'timed in all, net':52s} " + "  ".join(f"{t:7.1f}" for t in timed))
-    say(f"  {'the rest (loop, step wrapper): overhead - largest':52s} "
+    say(f"  {'not accounted for: overhead - largest net':52s} "
         f"{overhead_us - max(timed):7.1f}  (by difference: as noisy as the overhead itself)")
 
 
