@@ -238,6 +238,8 @@ def _gather_logged_body():
     values = {"loss": torch.tensor(0.1 + rank / 3), "aux": torch.tensor(1.5 + rank,
                                                                       dtype=torch.bfloat16),
               "count": 2.0 * rank}
+    if rank % 2:  # a dict of the same keys in another order
+        values = dict(reversed(values.items()))
     kept = values["loss"].clone()
     gathered = gather_logged(values, [8.0, 0.0, 100.0 + rank])
     assert torch.equal(values["loss"], kept)  # the outputs are left as they were
@@ -251,6 +253,7 @@ def _gather_logged_body():
 def test_gather_logged_means_each_value_in_its_dtype_and_keeps_every_ranks_counts(on_ranks,
                                                                                    world_size):
     means, counts = on_ranks(_gather_logged_body)[0]
+    assert list(means) == ["loss", "aux", "count"]  # rank 0's order
     losses = torch.tensor([0.1 + r / 3 for r in range(world_size)])  # float32, as logged
     assert means["loss"] == torch.true_divide(losses.sum(), world_size).item()  # to the bit
     aux = torch.tensor([1.5 + r for r in range(world_size)], dtype=torch.bfloat16)

@@ -222,9 +222,11 @@ def gather_logged(values: dict[str, Any], counts: list[float] | None
     that a float32 loss's mean has the bits an all_reduce of it gives (on two ranks, where the
     order of a sum cannot matter; on more, torch sums the ranks' rows).
     """
-    keys = list(values)
-    dtypes = [v.dtype if isinstance(v, torch.Tensor) else torch.float64 for v in values.values()]
-    row = torch.tensor([*map(_number, values.values()), *(counts or ())], dtype=torch.float64)
+    keys = sorted(values)  # the ranks' dicts may hold their keys in different orders
+    dtypes = [values[k].dtype if isinstance(values[k], torch.Tensor) else torch.float64
+              for k in keys]
+    row = torch.tensor([*(_number(values[k]) for k in keys), *(counts or ())],
+                       dtype=torch.float64)
     rows = gather_rows(row)
     if rows is None:
         return None
@@ -235,7 +237,7 @@ def gather_logged(values: dict[str, Any], counts: list[float] | None
         sums = (block if len(columns) == len(keys) else block[:, columns]).to(dtype).sum(0)
         means.update(zip((keys[i] for i in columns),
                          torch.true_divide(sums, world_size).tolist(), strict=True))
-    return ({key: means[key] for key in keys},
+    return ({key: means[key] for key in values},
             rows[:, len(keys):].tolist() if counts is not None else None)
 
 
