@@ -281,7 +281,9 @@ class Tally:
     the clock does): each hook's ``before_train_iter`` and ``after_train_iter``, the logger's
     gather of the logged numbers apart from the rest of its work, and the preemption check.
     Phase tracking (the heartbeat's record of where the rank is) is too cheap to time in place:
-    its writes are counted, and each kind is timed on its own (`phase_costs`)."""
+    its writes are counted, and each kind is timed on its own (`phase_costs`). The gradient
+    norm the logger asks the optimiser wrapper for on logged steps is timed too (it runs
+    inside the training step)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -325,6 +327,8 @@ class Tally:
                     self._timed(LOGGER_GATHER, logger_module.gather_logged))
         self._patch(preemption_module, "all_reduce",
                     self._timed(PREEMPTION_REDUCE, preemption_module.all_reduce))
+        self._patch(torch.nn.utils, "get_total_norm",
+                    self._timed(GRAD_NORM, torch.nn.utils.get_total_norm))
         self._patch(heartbeat, "_place", _CountingPlace(self))
         enter = heartbeat.phase.__enter__
 
@@ -358,6 +362,7 @@ LOGGER_REST = "logger: the rest (rank 0 writes; grad-norm request)"
 PREEMPTION = "preemption check"
 PREEMPTION_REDUCE = "preemption check: the ranks' all_reduce"
 RAW_LOGGING = "less the raw loop's logged steps (all_reduce, lines)"
+GRAD_NORM = "gradient norm (logged steps, in the optimiser step)"
 
 
 def phase_costs(repeat: int = 200_000) -> dict[str, float]:
