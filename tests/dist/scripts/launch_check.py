@@ -98,11 +98,17 @@ def main(launcher: str, mode: str = "check", *args: str) -> None:
         "env": {name: os.environ.get(name) for name in EXPORTED + LAUNCHER_VARS},
         **MODES[mode](*args),
     }
-    if mode != "timeout":  # after a timeout the group is broken: just exit
+    if mode != "timeout":
         dist.leave_dist()
         report["left"] = not dist.is_distributed() and dist.get_local_group() is None
     # one write call: the ranks share stdout, and a pipe keeps writes under 4 KiB whole
     os.write(sys.stdout.fileno(), (json.dumps(report) + "\n").encode())
+    if mode == "timeout":
+        # after a timeout the group is broken and cannot be left; the interpreter's shutdown
+        # would tear down gloo's threads with the timed-out send still queued, which aborts
+        # the process now and then ('terminate called without an active exception', exit -6,
+        # seen once in CI): end here instead, the report written
+        os._exit(0)
 
 
 if __name__ == "__main__":
