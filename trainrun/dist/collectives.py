@@ -134,12 +134,11 @@ def _gather_uneven(data: Tensor, group: ProcessGroup, shapes: list[torch.Size],
     if dst is None:
         out = [torch.empty_like(padded) for _ in shapes]
         torch_dist.all_gather(out, padded, group)
-    elif get_rank(group) == dst:
-        out = [torch.empty_like(padded) for _ in shapes]
-        torch_dist.gather(padded, out, dst=_global_rank(group, dst), group=group)
     else:
-        torch_dist.gather(padded, None, dst=_global_rank(group, dst), group=group)
-        return []
+        rows = gather_rows(padded, dst, group)
+        if rows is None:
+            return []
+        out = list(rows)
     return [t[: s.numel()].reshape(s).to(data.device) for t, s in zip(out, shapes, strict=True)]
 
 
