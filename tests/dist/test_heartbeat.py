@@ -260,6 +260,8 @@ def test_what_a_stop_loses():
                        (50, "steps 41-49 are lost since checkpoint epoch_2.pth (step 40)")):
         dist.at_step(step)
         assert heartbeat_module.lost_work().startswith(said)
+    dist.at_step(45, done=45)  # in step 45's hooks: the step itself is trained, and lost
+    assert heartbeat_module.lost_work().startswith("steps 41-45 are lost since checkpoint")
     dist.at_checkpoint(None)
     dist.at_step(1)
     assert heartbeat_module.lost_work() == ("nothing trained is lost (no checkpoint yet); "

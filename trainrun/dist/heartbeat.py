@@ -50,6 +50,7 @@ class _Place:
     """Where the main thread is; written by it, read by the heartbeat threads."""
 
     step: int | None = None
+    done: int | None = None  # steps finished (the step's hooks run after it is)
     phase: str = "setup"
     checkpoint: tuple[str, int] | None = None  # the newest checkpoint's name and step
 
@@ -57,9 +58,12 @@ class _Place:
 _place = _Place()
 
 
-def at_step(step: int | None) -> None:
-    """Record the training step this rank is in (None: not in a step)."""
+def at_step(step: int | None, done: int | None = None) -> None:
+    """Record the training step this rank is in (None: not in a step) and how many steps it
+    has finished: ``step - 1`` unless ``done`` says otherwise (``step`` itself once its
+    training step is over and its hooks run)."""
     _place.step = step
+    _place.done = done if done is not None or step is None else step - 1
 
 
 def at_checkpoint(name: str | None, step: int = 0) -> None:
@@ -113,7 +117,7 @@ def is_connection_lost(error: BaseException) -> bool:
 def lost_work() -> str:
     """What a rank stopping now loses, and where ``--resume`` goes on: the steps since the
     newest checkpoint."""
-    done = _place.step - 1 if _place.step else None
+    done = _place.done
     if _place.checkpoint is None:
         lost = f"the {done} steps trained are lost" if done else "nothing trained is lost"
         return f"{lost} (no checkpoint yet); --resume starts again from the beginning"

@@ -88,6 +88,7 @@ class TrainLoop:
                 outputs = runner.model.train_step(to_device(batch, runner.device),
                                                   runner.optim_wrapper)
             runner.iter += 1
+            at_step(runner.iter, done=runner.iter)  # a stop in its hooks loses it too
             if resumable:
                 sampler.trained(loader.batch_size or 1)
             for scheduler in runner.schedulers:
