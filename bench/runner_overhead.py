@@ -1,7 +1,9 @@
 """What the runner costs per training step, against a hand-written PyTorch DDP loop.
 
 Run under ``torchrun --nproc_per_node 2`` with one thread per rank
-(``bench/run_runner_overhead.sh`` does). Every contestant trains the same job: the same model
+(``bench/run_runner_overhead.sh`` does), each rank's training thread pinned to a core of its
+own where the host has enough (``--no-pin``: left to the kernel, see `pin_to_core`). Every
+contestant trains the same job: the same model
 (built right after seeding python, numpy and torch with the same seed), the same data in the
 same order (torch's `DistributedSampler` order, reshuffled every epoch with ``seed + epoch``),
 the same batch, AdamW and an epoch-based schedule, under DDP on a 2-process gloo group:
@@ -33,9 +35,11 @@ shared 2-core machine single runs vary by several percent, so compare them befor
 the third digit (and repeat the whole bench).
 
 Logging work is the same in the timed runs: every ``--interval`` steps (and at the last step)
-both average the loss over the ranks (one all_reduce, then ``.item()``) and rank 0 appends a
-JSON line to a metrics.jsonl and a text line to a train.log (the raw loop: a file opened once,
-and a `logging.FileHandler`; the runner: its `LoggerHook`).
+both average the loss over the ranks and rank 0 appends a JSON line to a metrics.jsonl and a
+text line to a train.log (the raw loop: a file opened once, and a `logging.FileHandler`; the
+runner: its `LoggerHook`). The raw loop averages as a hand-written loop does, one all_reduce
+then ``.item()``; the runner's ranks send their numbers to rank 0 in one gather that rank 0
+finishes a step later, and its line carries the step metrics too.
 MMEngine logs every ``--interval`` iterations of an epoch with its default hooks (its log
 file, its ``scalars.json``; with 12 steps an epoch that is once an epoch), console output
 going to /dev/null; checkpoints are off for all.
@@ -279,7 +283,8 @@ class _CountingPlace(heartbeat._Place):
 class Tally:
     """Times the runner's per-step work piece by piece, from the end of step ``warmup`` (as
     the clock does): each hook's ``before_train_iter`` and ``after_train_iter``, the logger's
-    gather of the logged numbers apart from the rest of its work, and the preemption check.
+    sending of the logged numbers and its wait for them a step later apart from the rest of
+    its work, and the preemption check.
     Phase tracking (the heartbeat's record of where the rank is) is too cheap to time in place:
     its writes are counted, and each kind is timed on its own (`phase_costs`). The gradient
     norm the logger asks the optimiser wrapper for on logged steps is timed too (it runs
@@ -288,7 +293,7 @@ class Tally:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
-        self.writes = {"step": 0, "phase": 0, "checkpoint": 0}
+        self.writes = {"step": 0, "done": 0, "phase": 0, "checkpoint": 0}  # at_step: 2
         self.blocks = 0  # `phase` blocks entered
         self.steps = 0  # steps timed
         self.on = False
@@ -323,8 +328,10 @@ class Tally:
             for name in ("before_train_iter", "after_train_iter"):
                 if getattr(type(hook), name) is not getattr(Hook, name):
                     setattr(hook, name, self._timed(key, getattr(hook, name)))
-        self._patch(logger_module, "gather_logged",
-                    self._timed(LOGGER_GATHER, logger_module.gather_logged))
+        self._patch(logger_module, "start_gather",
+                    self._timed(LOGGER_GATHER, logger_module.start_gather))
+        self._patch(logger_module.Gathering, "result",
+                    self._timed(LOGGER_WAIT, logger_module.Gathering.result))
         self._patch(preemption_module, "all_reduce",
                     self._timed(PREEMPTION_REDUCE, preemption_module.all_reduce))
         self._patch(torch.nn.utils, "get_total_norm",
@@ -357,7 +364,8 @@ class Tally:
 
 
 _MISSING = object()
-LOGGER_GATHER = "logger: the logged numbers gathered to rank 0"
+LOGGER_GATHER = "logger: the logged numbers sent to rank 0"
+LOGGER_WAIT = "logger: ... and waited for, a step later"
 LOGGER_REST = "logger: the rest (rank 0 writes; grad-norm request)"
 PREEMPTION = "preemption check"
 PREEMPTION_REDUCE = "preemption check: the ranks' all_reduce"
@@ -401,12 +409,11 @@ def breakdown(tally: Tally, work_dir: Path) -> dict[str, float]:
     against them, what the raw loop spends on its own logged steps (timed in lockstep too)."""
     steps = tally.steps
     per_step = {key: seconds / steps * 1e6 for key, seconds in tally.seconds.items()}
-    per_step[LOGGER_REST] -= per_step[LOGGER_GATHER]  # timed inside the logger's own time
+    # timed inside the logger's own time
+    per_step[LOGGER_REST] -= per_step[LOGGER_GATHER] + per_step[LOGGER_WAIT]
     per_step[PREEMPTION] -= per_step.pop(PREEMPTION_REDUCE)  # the same
-    # the collectives' own time, without the wait for a rank that is behind (which a step of
+    # the collective's own time, without the wait for a rank that is behind (which a step of
     # the raw loop absorbs too, in its next gradient all_reduce): in lockstep, times the count
-    per_step[LOGGER_GATHER] = tally.calls[LOGGER_GATHER] / steps * lockstep_seconds(
-        lambda: logger_module.gather_logged({"loss": torch.tensor(0.5)}, [8.0, 0.0, 9.0])) * 1e6
     per_step[PREEMPTION_REDUCE] = tally.calls[PREEMPTION_REDUCE] / steps * lockstep_seconds(
         lambda: preemption_module.all_reduce(torch.zeros(2, dtype=torch.int32), op="max")) * 1e6
     raw_log = RawLog(work_dir)
@@ -590,6 +597,21 @@ def bits_equal(a: dict[int, float], b: dict[int, float]) -> tuple[bool, str]:
     return True, f"{len(a)} steps"
 
 
+def pin_to_core() -> int | None:
+    """Pin this rank's main thread (the one that trains) to core ``LOCAL_RANK`` of those the
+    process may use; None where there are fewer cores than local ranks. Called after the group
+    is made, so that gloo's threads stay free to run on any core. Unpinned, the kernel moves
+    the two training threads between the two cores of this machine and a run's time per step
+    varies by up to 2x; with gloo's threads pinned too (to their rank's core), a thread woken
+    by a message waits for its core and a collective every step costs up to 0.7 ms more."""
+    cores = sorted(os.sched_getaffinity(0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if len(cores) < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return None
+    os.sched_setaffinity(0, {cores[local_rank]})  # on Linux: the calling thread only
+    return cores[local_rank]
+
+
 def shared_tempdir() -> Path:
     """One scratch directory for the job, made by rank 0 and named to every rank."""
     names = [tempfile.mkdtemp(prefix="trainrun-bench-") if torch_dist.get_rank() == 0 else None]
@@ -619,10 +641,14 @@ def main() -> int:
                         help="also time the runner with logging.step_metrics false")
     parser.add_argument("--target", type=float, default=1.02,
                         help="the runner/raw ratio the bench holds the runner to")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin each rank's training thread to a core of its own, where "
+                             "there are as many cores as ranks on this host")
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch_dist.init_process_group("gloo")
+    pinned = pin_to_core() if args.pin else None
     rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
 
     def say(*parts: Any) -> None:
@@ -642,7 +668,9 @@ def main() -> int:
                                sampler=DistributedSampler(job.build_dataset())))
         say(f"runner overhead bench: {args.workload} {model}, batch {batch_size} per rank, "
             f"AdamW, {world_size} ranks, gloo, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
-            f", torch {torch.__version__}; {steps} steps an epoch, {args.epochs} epochs a run, "
+            f", torch {torch.__version__}, "
+            f"{'not pinned' if pinned is None else 'training threads pinned to cores of their own'}"
+            f"; {steps} steps an epoch, {args.epochs} epochs a run, "
             f"timed after {args.warmup} steps; logging every {args.interval} steps (the "
             f"runner's with its step metrics)")
         if why_not_mm is not None:

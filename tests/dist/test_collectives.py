@@ -221,11 +221,16 @@ def test_gather_to_one_rank(on_ranks, world_size, dst):
         assert gathered == (expected if rank == actual_dst else [])
 
 
-def _gather_rows_body(dst):
+def _gather_rows_body(dst, async_op=False):
     rank, world = dist.get_dist_info()
     dst = min(dst, world - 1)
     rows = dist.gather_rows(torch.tensor([rank, 0.5 * rank, 2**40 + rank], dtype=torch.float64),
-                            dst=dst)
+                            dst=dst, async_op=async_op)
+    if async_op:
+        assert isinstance(rows, dist.Handle)
+        rows.wait()
+        assert rows.is_completed()
+        rows = rows.result()  # the same rows again, no second wait
     if rank != dst:
         assert rows is None
         return None
@@ -233,9 +238,11 @@ def _gather_rows_body(dst):
     return rows.tolist()
 
 
+@pytest.mark.parametrize("async_op", [False, True])
 @pytest.mark.parametrize("dst", [0, 1])
-def test_gather_rows_stacks_every_rank_in_rank_order_on_one_rank(on_ranks, world_size, dst):
-    results = on_ranks(_gather_rows_body, dst)
+def test_gather_rows_stacks_every_rank_in_rank_order_on_one_rank(on_ranks, world_size, dst,
+                                                                 async_op):
+    results = on_ranks(_gather_rows_body, dst, async_op)
     expected = [[r, 0.5 * r, 2**40 + r] for r in range(world_size)]
     assert results[min(dst, world_size - 1)] == expected
     assert sum(result is not None for result in results) == 1

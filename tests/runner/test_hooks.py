@@ -17,6 +17,7 @@ from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHoo
 from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb
 from trainrun.runner.hooks.timer import batch_counts
 from trainrun.runner.logging import MetricsFile
+from trainrun.runner.preemption import Preempted
 from trainrun.runner.runner import Runner
 
 
@@ -231,6 +232,81 @@ def test_logger_writes_rank_means_from_rank_zero_only(run_on, tmp_path):
             <= set(record)
         assert "grad_norm" not in record  # this wrapper measures none
     assert records[-1] == {"step": 5, "mode": "val", "mse": 0.25, "accuracy": 0.5}
+
+
+def _preempted_logger_body(base):
+    """Steps 1-4 logged every 2, a checkpoint after step 2; a preemption after step 4, whose
+    numbers are on their way."""
+    rank = dist.get_rank()
+    work_dir = Path(base) / f"rank{rank}"
+    work_dir.mkdir()
+    runner = SimpleNamespace(iter=0, epoch=0, max_iters=10, max_epochs=1, by_epoch=False,
+                             work_dir=work_dir, device=torch.device("cpu"), cfg=None,
+                             start_from=None,
+                             metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
+                             optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
+                             timer=IterTimerHook())
+    hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False)
+    hook.before_train(runner)
+    written = []
+    for step in range(1, 5):
+        runner.iter = step
+        hook.after_train_iter(runner, step - 1, None, {"loss": torch.tensor(float(step))})
+        if step == 2:
+            hook.before_checkpoint(runner)  # a checkpoint of step 2 comes next
+        written.append(_steps(work_dir) if rank == 0 else [])
+    hook.on_error(runner, Preempted(4, "SIGTERM", "iter_4.pth", False))
+    runner.metrics_file.close()
+    return written, _steps(work_dir) if rank == 0 else []
+
+
+def _steps(work_dir):
+    path = work_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] \
+        if path.exists() else []
+
+
+def test_the_logger_writes_a_step_a_step_later_or_before_its_checkpoint(run_on, tmp_path):
+    """Each rank's numbers travel while the next step trains; a step's line is on disk before
+    its checkpoint (a run killed after it resumes from the next step); a preemption (every
+    rank alive, the checkpoint of that step written) still gets the step's line."""
+    written, final = run_on(2)(_preempted_logger_body, str(tmp_path))[0]
+    assert written == [[], [2], [2], [2]]
+    assert final == [2, 4]
+
+
+def test_without_a_checkpoint_a_logged_step_is_written_once_the_next_one_is_done(tmp_path):
+    runner = SimpleNamespace(iter=0, epoch=0, max_iters=10, max_epochs=1, by_epoch=False,
+                             device=torch.device("cpu"),
+                             metrics_file=MetricsFile(tmp_path / "metrics.jsonl"),
+                             optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
+                             timer=IterTimerHook())
+    hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False)
+    written = []
+    for step in range(1, 5):
+        runner.iter = step
+        hook.after_train_iter(runner, step - 1, None, {"loss": torch.tensor(float(step))})
+        written.append(_steps(tmp_path))
+    hook.after_train(runner)
+    assert written == [[], [], [2], [2]] and _steps(tmp_path) == [2, 4]
+
+
+class _Stuck:
+    """A gather some rank never joined."""
+
+    def is_completed(self):
+        return False
+
+    def result(self):
+        raise AssertionError("waited for a gather that cannot finish")
+
+
+def test_after_a_failure_the_logger_drops_a_line_whose_numbers_are_not_all_in(tmp_path):
+    runner = SimpleNamespace(metrics_file=MetricsFile(tmp_path / "metrics.jsonl"))
+    hook = LoggerHook(interval=1, backends=["jsonl"], progress_bar=False)
+    hook._pending = SimpleNamespace(gathering=_Stuck(), record=_Stuck().result)
+    hook.on_error(runner, RuntimeError("rank 1 is gone"))  # returns at once
+    assert hook._pending is None and not (tmp_path / "metrics.jsonl").exists()
 
 
 def _gather_logged_body():

@@ -25,11 +25,12 @@ def test_the_bench_checks_losses_and_breaks_the_overhead_down():
         in out
     assert re.search(r"runner overhead in microseconds a step: -?\d+\.\d", out)
     rows = dict(re.findall(r"^  (\S.*?)\s+(-?\d+\.\d)  ", out, re.MULTILINE))
-    for piece in ("hook IterTimerHook", "logger: the logged numbers gathered to rank 0",
+    for piece in ("hook IterTimerHook", "logger: the logged numbers sent to rank 0",
                   "preemption check", "less the raw loop's logged steps (all_reduce, lines)",
                   "timed in all, net"):
         assert piece in rows, out
     records = re.search(r"phase tracking \((\d+) records\)", out)
     # a step records its number, data loading, hooks, the train step, forward, backward and
-    # the optimiser step; the logged steps' gather and the preemption checks add a few
-    assert records and 7 <= int(records.group(1)) <= 9, out
+    # the optimiser step, and its number again once trained; the logged steps and the
+    # preemption checks add a few
+    assert records and 8 <= int(records.group(1)) <= 10, out

@@ -46,23 +46,34 @@ def reduce_op_name(op: str) -> str:
 
 
 class Handle:
-    """What an ``async_op=True`` collective returns: ``wait()`` finishes all of its work."""
+    """What an ``async_op=True`` collective returns: ``wait()`` finishes all of its work;
+    ``result()`` waits and returns what the collective made where it makes something new
+    (`gather_rows`: the rows on ``dst``, None elsewhere), None where it works in place."""
 
-    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None):
+    def __init__(self, work: Any = None, finish: Callable[[], Any] | None = None,
+                 name: str = "collective", group: ProcessGroup | None = None):
         self._work = work
         self._finish = finish
+        self._name, self._group = name, group  # for a timeout's message
+        self._result: Any = None
 
     def wait(self) -> bool:
         if self._work is not None:
-            self._work.wait()
+            with named_operation(self._name, self._group):
+                self._work.wait()
             self._work = None
         if self._finish is not None:
-            self._finish()
+            self._result = self._finish()
             self._finish = None
         return True
 
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
     def is_completed(self) -> bool:
-        return self._finish is None and self._work is None
+        """Whether `wait` would return without waiting for other ranks: their part is done."""
+        return self._work is None or self._work.is_completed()
 
 
 def _group(group: ProcessGroup | None) -> ProcessGroup:
@@ -84,7 +95,7 @@ def _run(name: str, group: ProcessGroup, async_op: bool, start: Callable[[bool],
     with named_operation(name, group):
         work = start(async_op)
         if async_op:
-            return Handle(work, finish)
+            return Handle(work, finish, name, group)
         if finish is not None:
             finish()
     return None
@@ -220,26 +231,30 @@ def gather(data: Tensor, *args: Any, **kwargs: Any) -> Any:
     return Handle() if params["async_op"] else None
 
 
-def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None) -> Tensor | None:
+def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None,
+                async_op: bool = False) -> Tensor | Handle | None:
     """Every rank's ``row`` (a 1-d tensor of the same length and dtype on every rank) stacked
-    in rank order on ``dst``, a (world_size, length) tensor; None on the other ranks.
+    in rank order on ``dst``, a (world_size, length) tensor; None on the other ranks. With
+    ``async_op``, a `Handle` whose ``result()`` is that.
 
     One gather and no exchange of shapes (`gather` takes rows of any shape at the cost of a
     second collective).
     """
     if get_world_size(group) == 1:
-        return row.reshape(1, -1)
+        rows = row.reshape(1, -1)
+        return Handle(finish=lambda: rows) if async_op else rows
     group = _group(group)
     buffer = _for_comm(row, group)
     target = _global_rank(group, dst)
-    with named_operation("gather", group):
-        if get_rank(group) != dst:
-            torch_dist.gather(buffer, None, dst=target, group=group)
-            return None
-        rows = torch.empty((get_world_size(group), buffer.numel()), dtype=buffer.dtype,
-                           device=buffer.device)
-        torch_dist.gather(buffer, list(rows.unbind(0)), dst=target, group=group)
-    return rows.to(row.device)
+    if get_rank(group) != dst:
+        return _run("gather", group, async_op, lambda a: torch_dist.gather(
+            buffer, None, dst=target, group=group, async_op=a), None)
+    rows = torch.empty((get_world_size(group), buffer.numel()), dtype=buffer.dtype,
+                       device=buffer.device)
+    handle = _run("gather", group, True, lambda a: torch_dist.gather(
+        buffer, list(rows.unbind(0)), dst=target, group=group, async_op=a),
+        lambda: rows.to(row.device))
+    return handle if async_op else handle.result()  # type: ignore[union-attr]
 
 
 def broadcast(data: Tensor, src: int = 0, group: ProcessGroup | None = None,

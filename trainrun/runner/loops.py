@@ -77,13 +77,17 @@ class TrainLoop:
         sampler = loader.sampler
         resumable = isinstance(sampler, ResumableSampler)  # it keeps where the epoch is
         runner.call_hook("before_train_epoch")
+        # a step's hooks, those of runner.hooks now (a hook added in an epoch runs from the next)
+        before_iter = runner.hook_methods("before_train_iter")
+        after_iter = runner.hook_methods("after_train_iter")
         runner.model.train()
         finished = True
         at_step(runner.iter + 1)
         set_phase("data loading")
         for batch_idx, batch in enumerate(loader):
             set_phase("hooks")
-            runner.call_hook("before_train_iter", batch_idx, batch)
+            for hook in before_iter:
+                hook(runner, batch_idx, batch)
             with phase("train step"):
                 outputs = runner.model.train_step(to_device(batch, runner.device),
                                                   runner.optim_wrapper)
@@ -93,7 +97,8 @@ class TrainLoop:
                 sampler.trained(loader.batch_size or 1)
             for scheduler in runner.schedulers:
                 scheduler.step()
-            runner.call_hook("after_train_iter", batch_idx, batch, outputs)
+            for hook in after_iter:
+                hook(runner, batch_idx, batch, outputs)
             if runner.stop_reason is not None or (not runner.by_epoch
                                                   and runner.iter >= runner.max_iters):
                 # a stream's loader counts a whole pass, not what is left of it: its pass

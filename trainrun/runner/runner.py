@@ -443,8 +443,15 @@ class Runner:
     # ------------------------------------------------------------------ running
 
     def call_hook(self, name: str, *args: Any) -> None:
-        for hook in self.hooks:
-            getattr(hook, name)(self, *args)
+        for method in self.hook_methods(name):
+            method(self, *args)
+
+    def hook_methods(self, name: str) -> list[Callable[..., None]]:
+        """The hooks' ``name`` methods in their order, leaving out `Hook`'s own (which do
+        nothing). The training loop takes a step's once an epoch."""
+        noop = getattr(Hook, name)
+        return [method for method in (getattr(hook, name) for hook in self.hooks)
+                if getattr(method, "__func__", None) is not noop]
 
     def request_stop(self, reason: str) -> None:
         """End training after the hooks of the current step (or epoch): a checkpoint of that
@@ -633,6 +640,7 @@ class Runner:
                         background: bool = False) -> Path:
         """Save a checkpoint on every rank (all must call this); returns its path. With
         ``background`` it is written while training goes on (see `CheckpointManager.save`)."""
+        self.call_hook("before_checkpoint")
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
                                          self.optimizer, self._train_state(), update_last,

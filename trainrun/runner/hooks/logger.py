@@ -1,9 +1,10 @@
 """Training and validation numbers to the console, metrics.jsonl and the trackers.
 
 Every ``interval`` iterations each rank sends its logged values, with its counts for the step
-metrics, to rank 0 in one small collective, and rank 0 writes the values' means over the
-ranks with the step metrics (`STEP_METRICS`: gradient norm, throughput, where the time went,
-peak memory) unless ``logging.step_metrics`` is false.
+metrics, to rank 0 in one small collective that rank 0 finishes a step later (the next step
+trains meanwhile), and rank 0 writes the values' means over the ranks with the step metrics
+(`STEP_METRICS`: gradient norm, throughput, where the time went, peak memory) unless
+``logging.step_metrics`` is false. A step's line is on disk before its checkpoint.
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -22,10 +23,11 @@ from typing import Any
 
 import torch
 
-from trainrun.dist import gather_rows, is_main_process
+from trainrun.dist import Handle, gather_rows, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
+from trainrun.runner.preemption import Preempted
 from trainrun.runner.schema import BOOL, expects, fields, integer, names
 from trainrun.runner.trackers import BUILT_IN, check_backend, make_trackers
 
@@ -68,6 +70,7 @@ class LoggerHook(Hook):
         self._tracking = False  # the trackers are started (training, rank 0)
         self._started: tuple[float, int] | None = None  # (clock, step) when training began
         self._last_val: dict[str, float] = {}
+        self._pending: LoggedStep | None = None  # a logged step whose numbers are on the way
 
     def before_train(self, runner: Any) -> None:
         self._started = (time.monotonic(), runner.iter)
@@ -100,29 +103,36 @@ class LoggerHook(Hook):
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
+        """At a logged step every rank sends its numbers to rank 0 without waiting for them
+        to arrive; rank 0 writes the line a step later (or before a checkpoint or a
+        validation's line, at the end of training or at a preemption), by when they are in:
+        the collective's latency overlaps the next step instead of adding to this one."""
         if self._bar is not None:
             self._bar.update(1)
+        self._write_pending(runner)
         if not self.logs(runner.iter, runner.max_iters):
             return
         # every rank takes part; outputs are left as they are, for the hooks after this one
-        gathered = gather_logged(outputs, rank_counts(runner) if self.step_metrics else None)
-        if gathered is None:  # not rank 0
+        counts = rank_counts(runner) if self.step_metrics else None
+        self._pending = LoggedStep(runner, start_gather(outputs, counts), self.step_metrics)
+
+    def _write_pending(self, runner: Any, wait: bool = True) -> None:
+        """Finish the logged step whose numbers were sent, if any: rank 0 writes its line;
+        ``wait=False``: only if every rank's numbers are in already (else it is dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is None or not (wait or pending.gathering.is_completed()):
             return
-        values, counts = gathered
-        record = {"step": runner.iter, "epoch": runner.epoch + 1, **values,
-                  "lr": runner.optim_wrapper.get_lr()}
-        timer = runner.timer
-        record.update(time=timer.iter_time, data_time=timer.data_time)
-        if counts is not None:
-            record.update(step_metrics(runner, counts))
+        record = pending.record()
+        if record is None:  # not rank 0
+            return
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
         if self._tracking:
             self._track({f"train/{k}": v for k, v in record.items()
-                         if k not in ("step", "epoch")}, runner.iter)
+                         if k not in ("step", "epoch")}, record["step"])
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-        self._log(self._train_line(runner, record))
+        self._log(pending.line(record))
 
     def _track(self, values: dict[str, float], step: int) -> None:
         """To every tracker, while training (a validation run alone tracks nothing)."""
@@ -137,17 +147,13 @@ class LoggerHook(Hook):
         quiet = self._bar is not None or "console" not in self.backends
         get_logger().info(message, extra={"file_only": quiet})
 
-    def _train_line(self, runner: Any, record: dict[str, Any]) -> str:
-        eta = datetime.timedelta(seconds=round(runner.timer.eta_seconds(runner.max_iters
-                                                                         - runner.iter)))
-        values = "  ".join(f"{k} {v:.6g}" for k, v in record.items()
-                           if k not in ("step", "epoch", "lr", *STEP_METRICS)
-                           and not k.startswith("grad_norm"))
-        epochs = f"epoch {record['epoch']}/{runner.max_epochs}  " if runner.by_epoch else ""
-        return (f"{epochs}step {runner.iter}/{runner.max_iters}  {values}  "
-                f"lr {record['lr']:.3e}  {record['time']:.3f} s/it  eta {eta}")
+    def before_checkpoint(self, runner: Any) -> None:
+        """The step's line is on disk before its checkpoint: a run killed after it resumes
+        from the next step and would never write it."""
+        self._write_pending(runner)
 
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
+        self._write_pending(runner)  # the step's line before its validation's
         self._last_val = dict(metrics)
         if not is_main_process():
             return
@@ -181,6 +187,7 @@ class LoggerHook(Hook):
         get_logger().info(f"{done}; run directory {runner.work_dir}")
 
     def after_train(self, runner: Any) -> None:
+        self._write_pending(runner)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -189,7 +196,13 @@ class LoggerHook(Hook):
         self._tracking = False
 
     def on_error(self, runner: Any, error: BaseException) -> None:
-        """Close the trackers' runs as ended by ``error`` (what they buffered is written)."""
+        """Write the last logged step (after a preemption every rank sent its numbers; after
+        a failure only if they are all in: a rank may be gone) and close the trackers' runs
+        as ended by ``error`` (what they buffered is written)."""
+        try:
+            self._write_pending(runner, wait=isinstance(error, Preempted))
+        except Exception:  # a rank that failed meanwhile, a line that cannot be written
+            get_logger().exception("the last logged step could not be written")
         for tracker in self.trackers if self._tracking else ():
             fail = getattr(tracker, "fail", None)
             try:
@@ -209,6 +222,48 @@ def rank_counts(runner: Any) -> list[float]:
     return [float(samples), float(tokens or 0), peak_memory_mb(runner.device)]
 
 
+class Gathering:
+    """Each rank's logged values and counts on their way to rank 0 (`start_gather`)."""
+
+    def __init__(self, handle: Handle, keys: list[str], dtypes: list[torch.dtype],
+                 order: list[str], with_counts: bool):
+        self.handle = handle
+        self.keys, self.dtypes, self.order = keys, dtypes, order
+        self.with_counts = with_counts
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+    def result(self) -> tuple[dict[str, float], list[list[float]] | None] | None:
+        """On rank 0: each value's mean over the ranks (in this rank's order of the keys)
+        and every rank's counts (None without counts); None on the other ranks."""
+        rows = self.handle.result()
+        if rows is None:
+            return None
+        keys, dtypes = self.keys, self.dtypes
+        world_size, block = rows.shape[0], rows[:, :len(keys)]
+        means: dict[str, float] = {}
+        for dtype in dict.fromkeys(dtypes):  # usually one: a few tensor operations in all
+            columns = [i for i, d in enumerate(dtypes) if d == dtype]
+            sums = (block if len(columns) == len(keys) else block[:, columns]).to(dtype).sum(0)
+            means.update(zip((keys[i] for i in columns),
+                             torch.true_divide(sums, world_size).tolist(), strict=True))
+        return ({key: means[key] for key in self.order},
+                rows[:, len(keys):].tolist() if self.with_counts else None)
+
+
+def start_gather(values: dict[str, Any], counts: list[float] | None) -> Gathering:
+    """Send this rank's logged ``values`` and its ``counts`` (a list of numbers, or None) to
+    rank 0, without waiting; see `gather_logged`."""
+    keys = sorted(values)  # the ranks' dicts may hold their keys in different orders
+    dtypes = [values[k].dtype if isinstance(values[k], torch.Tensor) else torch.float64
+              for k in keys]
+    row = torch.tensor([*(_number(values[k]) for k in keys), *(counts or ())],
+                       dtype=torch.float64)
+    return Gathering(gather_rows(row, async_op=True), keys, dtypes, list(values),  # type: ignore[arg-type]
+                     counts is not None)
+
+
 def gather_logged(values: dict[str, Any], counts: list[float] | None
                   ) -> tuple[dict[str, float], list[list[float]] | None] | None:
     """On rank 0: each logged value's mean over the ranks, and every rank's ``counts`` (a list
@@ -222,37 +277,73 @@ def gather_logged(values: dict[str, Any], counts: list[float] | None
     that a float32 loss's mean has the bits an all_reduce of it gives (on two ranks, where the
     order of a sum cannot matter; on more, torch sums the ranks' rows).
     """
-    keys = sorted(values)  # the ranks' dicts may hold their keys in different orders
-    dtypes = [values[k].dtype if isinstance(values[k], torch.Tensor) else torch.float64
-              for k in keys]
-    row = torch.tensor([*(_number(values[k]) for k in keys), *(counts or ())],
-                       dtype=torch.float64)
-    rows = gather_rows(row)
-    if rows is None:
-        return None
-    world_size, block = rows.shape[0], rows[:, :len(keys)]
-    means: dict[str, float] = {}
-    for dtype in dict.fromkeys(dtypes):  # usually one: a few tensor operations in all
-        columns = [i for i, d in enumerate(dtypes) if d == dtype]
-        sums = (block if len(columns) == len(keys) else block[:, columns]).to(dtype).sum(0)
-        means.update(zip((keys[i] for i in columns),
-                         torch.true_divide(sums, world_size).tolist(), strict=True))
-    return ({key: means[key] for key in values},
-            rows[:, len(keys):].tolist() if counts is not None else None)
+    return start_gather(values, counts).result()
 
 
-def step_metrics(runner: Any, counts: list[list[float]]) -> dict[str, float]:
-    """The step metrics of a logged line, on rank 0: the gradient norm of the step (where its
-    optimiser stepped), compute time, samples (and tokens) a second of all ranks over the
-    timer's window, and the largest peak memory of any rank; ``counts`` holds every rank's
-    `rank_counts`."""
+class LoggedStep:
+    """A logged training step: what rank 0 knows of it at once (step, epoch, lr, times, its
+    own step metrics, the ETA), waiting for the other ranks' numbers (`Gathering`)."""
+
+    def __init__(self, runner: Any, gathering: Gathering, with_metrics: bool):
+        self.gathering = gathering
+        self.known: dict[str, Any] | None = None
+        if not is_main_process():
+            return
+        timer = runner.timer
+        self.known = {"step": runner.iter, "epoch": runner.epoch + 1,
+                      "lr": runner.optim_wrapper.get_lr(),
+                      "time": timer.iter_time, "data_time": timer.data_time}
+        self.metrics = own_step_metrics(runner) if with_metrics else None
+        self.eta = round(timer.eta_seconds(runner.max_iters - runner.iter))
+        self.max_iters = runner.max_iters
+        self.max_epochs = runner.max_epochs if runner.by_epoch else None
+
+    def record(self) -> dict[str, Any] | None:
+        """The line's numbers, on rank 0 (None elsewhere, once the gather is done)."""
+        gathered = self.gathering.result()
+        if gathered is None or self.known is None:
+            return None
+        values, counts = gathered
+        known = self.known
+        record = {"step": known["step"], "epoch": known["epoch"], **values, "lr": known["lr"],
+                  "time": known["time"], "data_time": known["data_time"]}
+        if self.metrics is not None and counts is not None:
+            record.update(step_metrics(self.metrics, counts))
+        return record
+
+    def line(self, record: dict[str, Any]) -> str:
+        """The console's and train.log's line for ``record``."""
+        values = "  ".join(f"{k} {v:.6g}" for k, v in record.items()
+                           if k not in ("step", "epoch", "lr", *STEP_METRICS)
+                           and not k.startswith("grad_norm"))
+        epochs = f"epoch {record['epoch']}/{self.max_epochs}  " \
+            if self.max_epochs is not None else ""
+        return (f"{epochs}step {record['step']}/{self.max_iters}  {values}  "
+                f"lr {record['lr']:.3e}  {record['time']:.3f} s/it  "
+                f"eta {datetime.timedelta(seconds=self.eta)}")
+
+
+def own_step_metrics(runner: Any) -> dict[str, Any]:
+    """Rank 0's part of a logged step's step metrics, taken at the step: its gradient norms
+    (where its optimiser stepped), compute time, and the timer's window (seconds, tokens)."""
     timer = runner.timer
-    out = {key: _number(norm) for key, norm in grad_norms(runner.optim_wrapper).items()}
     seconds, _, tokens = timer.window_counts()
-    out["compute_time"] = max(timer.iter_time - timer.data_time, 0.0)
+    return {"norms": grad_norms(runner.optim_wrapper),
+            "compute_time": max(timer.iter_time - timer.data_time, 0.0),
+            "seconds": seconds, "tokens": tokens is not None}
+
+
+def step_metrics(own: dict[str, Any], counts: list[list[float]]) -> dict[str, float]:
+    """The step metrics of a logged line, on rank 0: the gradient norm of the step, compute
+    time, samples (and tokens) a second of all ranks over the timer's window, and the largest
+    peak memory of any rank; ``own`` is `own_step_metrics`, ``counts`` every rank's
+    `rank_counts`."""
+    out = {key: _number(norm) for key, norm in own["norms"].items()}
+    seconds = own["seconds"]
+    out["compute_time"] = own["compute_time"]
     samples = round(sum(rank[0] for rank in counts))
     out["samples_per_s"] = samples / seconds if seconds else 0.0
-    if tokens is not None:
+    if own["tokens"]:
         all_tokens = round(sum(rank[1] for rank in counts))
         out["tokens_per_s"] = all_tokens / seconds if seconds else 0.0
     out["peak_memory_mb"] = max(rank[2] for rank in counts)
