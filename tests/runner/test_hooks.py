@@ -190,16 +190,21 @@ def test_save_best_in_a_run(tmp_path, rule):
 # ---------------------------------------------------------------- logger hook
 
 
+def _logger_runner(work_dir, max_iters, step_metrics=True):
+    """What the logger reads of a runner, for ``max_iters`` steps writing into ``work_dir``."""
+    return SimpleNamespace(iter=0, epoch=0, max_iters=max_iters, max_epochs=1, by_epoch=False,
+                           work_dir=work_dir, device=torch.device("cpu"), cfg=None,
+                           start_from=None,
+                           metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
+                           optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
+                           timer=IterTimerHook(count_batches=step_metrics))
+
+
 def _logger_body(base, step_metrics=True):
     rank = dist.get_rank()
     work_dir = Path(base) / f"rank{rank}"
     work_dir.mkdir()
-    runner = SimpleNamespace(iter=0, epoch=0, max_iters=5, max_epochs=1, by_epoch=False,
-                             work_dir=work_dir, device=torch.device("cpu"), cfg=None,
-                             start_from=None,
-                             metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
-                             optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
-                             timer=IterTimerHook(count_batches=step_metrics))
+    runner = _logger_runner(work_dir, 5, step_metrics)
     hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False,
                       step_metrics=step_metrics)
     hook.before_train(runner)
@@ -240,12 +245,7 @@ def _preempted_logger_body(base):
     rank = dist.get_rank()
     work_dir = Path(base) / f"rank{rank}"
     work_dir.mkdir()
-    runner = SimpleNamespace(iter=0, epoch=0, max_iters=10, max_epochs=1, by_epoch=False,
-                             work_dir=work_dir, device=torch.device("cpu"), cfg=None,
-                             start_from=None,
-                             metrics_file=MetricsFile(work_dir / "metrics.jsonl"),
-                             optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
-                             timer=IterTimerHook())
+    runner = _logger_runner(work_dir, 10)
     hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False)
     hook.before_train(runner)
     written = []
@@ -253,7 +253,7 @@ def _preempted_logger_body(base):
         runner.iter = step
         hook.after_train_iter(runner, step - 1, None, {"loss": torch.tensor(float(step))})
         if step == 2:
-            hook.before_checkpoint(runner)  # a checkpoint of step 2 comes next
+            hook.before_checkpoint_save(runner)  # a checkpoint of step 2 comes next
         written.append(_steps(work_dir) if rank == 0 else [])
     hook.on_error(runner, Preempted(4, "SIGTERM", "iter_4.pth", False))
     runner.metrics_file.close()
@@ -276,11 +276,7 @@ def test_the_logger_writes_a_step_a_step_later_or_before_its_checkpoint(run_on, 
 
 
 def test_without_a_checkpoint_a_logged_step_is_written_once_the_next_one_is_done(tmp_path):
-    runner = SimpleNamespace(iter=0, epoch=0, max_iters=10, max_epochs=1, by_epoch=False,
-                             device=torch.device("cpu"),
-                             metrics_file=MetricsFile(tmp_path / "metrics.jsonl"),
-                             optim_wrapper=SimpleNamespace(get_lr=lambda: 0.125),
-                             timer=IterTimerHook())
+    runner = _logger_runner(tmp_path, 10)
     hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False)
     written = []
     for step in range(1, 5):

@@ -640,7 +640,7 @@ class Runner:
                         background: bool = False) -> Path:
         """Save a checkpoint on every rank (all must call this); returns its path. With
         ``background`` it is written while training goes on (see `CheckpointManager.save`)."""
-        self.call_hook("before_checkpoint")
+        self.call_hook("before_checkpoint_save")
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
                                          self.optimizer, self._train_state(), update_last,

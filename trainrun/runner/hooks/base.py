@@ -6,7 +6,7 @@ before_run
       before_train_iter / after_train_iter      (once per batch)
     after_train_epoch
     (before_val / after_val whenever validation runs)
-    (before_checkpoint whenever a checkpoint is about to be written)
+    (before_checkpoint_save whenever a checkpoint is about to be written)
   after_train
   (before_test / after_test)
 after_run
@@ -85,7 +85,7 @@ class Hook:
 
     def before_val(self, runner: Any) -> None: ...
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None: ...
-    def before_checkpoint(self, runner: Any) -> None:
+    def before_checkpoint_save(self, runner: Any) -> None:
         """A checkpoint of the current step is about to be written (every rank): finish what
         must be on disk before a resume can start from it."""
 

@@ -147,7 +147,7 @@ class LoggerHook(Hook):
         quiet = self._bar is not None or "console" not in self.backends
         get_logger().info(message, extra={"file_only": quiet})
 
-    def before_checkpoint(self, runner: Any) -> None:
+    def before_checkpoint_save(self, runner: Any) -> None:
         """The step's line is on disk before its checkpoint: a run killed after it resumes
         from the next step and would never write it."""
         self._write_pending(runner)
