@@ -39,10 +39,13 @@ class SlurmUnavailable(RuntimeError):
     """SLURM cannot run here; the message says why (tests skip with it)."""
 
 
-def slurm_conf(root: Path, host: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
-    """slurm.conf for one node ``host`` with ``cpus`` CPUs; every path lies inside ``root``."""
+def slurm_conf(root: Path, host: str, cpus: int, ctld_port: int, slurmd_port: int,
+               first_job_id: int = 1) -> str:
+    """slurm.conf for one node ``host`` with ``cpus`` CPUs; every path lies inside ``root``;
+    job ids count from ``first_job_id``."""
     return f"""\
 ClusterName=trainrun
+FirstJobId={first_job_id}
 SlurmctldHost={host}
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
@@ -222,7 +225,8 @@ def start_cluster(root: Path, timeout: float = START_TIMEOUT_S) -> SlurmCluster:
     host = socket.gethostname()
     cpus = os.cpu_count() or 1  # all CPUs: `nproc` would honour OMP_NUM_THREADS
     cluster = SlurmCluster(root=root, host=host, cpus=cpus)
-    cluster.conf.write_text(slurm_conf(root, host, cpus, free_port(), free_port()))
+    cluster.conf.write_text(slurm_conf(root, host, cpus, free_port(), free_port(),
+                                       first_job_id()))
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
@@ -238,6 +242,15 @@ def start_cluster(root: Path, timeout: float = START_TIMEOUT_S) -> SlurmCluster:
         cluster.stop()
         raise
     return cluster
+
+
+def first_job_id() -> int:
+    """Where this test process's cluster starts numbering jobs: 1 + 1000 x its pytest-xdist
+    worker number. trainrun's SLURM launcher takes MASTER_PORT from the job id (10000 + id %
+    20000), so the clusters of two workers both counting from 1 started jobs on the same port
+    at the same time (EADDRINUSE in a fresh-clone CI run)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return 1 + 1000 * (int(worker) if worker.isdigit() else 0)
 
 
 def session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
