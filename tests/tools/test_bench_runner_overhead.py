@@ -24,6 +24,15 @@ def test_the_bench_checks_losses_and_breaks_the_overhead_down():
     assert "timed runs: runner's logged losses equal the raw loop's at every logged step: yes" \
         in out
     assert re.search(r"runner overhead in microseconds a step: -?\d+\.\d", out)
+    interval = re.search(r"runner overhead vs raw PyTorch DDP: (\d\.\d+) \(95% bootstrap "
+                         r"interval over rounds (\d\.\d+) to (\d\.\d+)\)", out)
+    assert interval, out
+    low, ratio, high = (float(interval.group(i)) for i in (2, 1, 3))
+    assert low <= ratio <= high, out  # one round: all three are that round's ratio
+    # each rank's training-thread CPU a step, and the runner's over the raw loop's
+    cpu = re.search(r"^  runner +(\d+\.\d) +(\d+\.\d) +\( *([+-]\d+\.\d) +([+-]\d+\.\d)\)$",
+                    out, re.MULTILINE)
+    assert cpu and float(cpu.group(1)) > 0 and float(cpu.group(2)) > 0, out
     rows = dict(re.findall(r"^  (\S.*?)\s+(-?\d+\.\d)  ", out, re.MULTILINE))
     for piece in ("hook IterTimerHook", "logger: the logged numbers sent to rank 0",
                   "preemption check", "less the raw loop's logged steps (all_reduce, lines)",
