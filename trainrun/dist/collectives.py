@@ -240,7 +240,8 @@ def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None,
     One gather and no exchange of shapes (`gather` takes rows of any shape at the cost of a
     second collective).
     """
-    if get_world_size(group) == 1:
+    world_size = get_world_size(group)
+    if world_size == 1:
         rows = row.reshape(1, -1)
         return Handle(finish=lambda: rows) if async_op else rows
     group = _group(group)
@@ -249,7 +250,7 @@ def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None,
     if get_rank(group) != dst:
         return _run("gather", group, async_op, lambda a: torch_dist.gather(
             buffer, None, dst=target, group=group, async_op=a), None)
-    rows = torch.empty((get_world_size(group), buffer.numel()), dtype=buffer.dtype,
+    rows = torch.empty((world_size, buffer.numel()), dtype=buffer.dtype,
                        device=buffer.device)
     handle = _run("gather", group, True, lambda a: torch_dist.gather(
         buffer, list(rows.unbind(0)), dst=target, group=group, async_op=a),

@@ -113,8 +113,10 @@ class LoggerHook(Hook):
         if not self.logs(runner.iter, runner.max_iters):
             return
         # every rank takes part; outputs are left as they are, for the hooks after this one
-        counts = rank_counts(runner) if self.step_metrics else None
-        self._pending = LoggedStep(runner, start_gather(outputs, counts), self.step_metrics)
+        # the timer's window, read once: this rank's counts and rank 0's own metrics share it
+        window = runner.timer.window_counts() if self.step_metrics else None
+        counts = rank_counts(window, runner.device) if window is not None else None
+        self._pending = LoggedStep(runner, start_gather(outputs, counts), window)
 
     def _write_pending(self, runner: Any, wait: bool = True) -> None:
         """Finish the logged step whose numbers were sent, if any: rank 0 writes its line;
@@ -215,11 +217,12 @@ class LoggerHook(Hook):
         self._tracking = False
 
 
-def rank_counts(runner: Any) -> list[float]:
+def rank_counts(window: tuple[float, int, int | None], device: torch.device) -> list[float]:
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
-    over the timer's window (tokens 0 where its batches state none), and its peak memory."""
-    _, samples, tokens = runner.timer.window_counts()
-    return [float(samples), float(tokens or 0), peak_memory_mb(runner.device)]
+    over the timer's ``window`` (`IterTimerHook.window_counts`; tokens 0 where its batches
+    state none), and its peak memory."""
+    _, samples, tokens = window
+    return [float(samples), float(tokens or 0), peak_memory_mb(device)]
 
 
 class Gathering:
@@ -282,9 +285,11 @@ def gather_logged(values: dict[str, Any], counts: list[float] | None
 
 class LoggedStep:
     """A logged training step: what rank 0 knows of it at once (step, epoch, lr, times, its
-    own step metrics, the ETA), waiting for the other ranks' numbers (`Gathering`)."""
+    own step metrics, the ETA), waiting for the other ranks' numbers (`Gathering`).
+    ``window``: the timer's window at the step with the step metrics on, else None."""
 
-    def __init__(self, runner: Any, gathering: Gathering, with_metrics: bool):
+    def __init__(self, runner: Any, gathering: Gathering,
+                 window: tuple[float, int, int | None] | None):
         self.gathering = gathering
         self.known: dict[str, Any] | None = None
         if not is_main_process():
@@ -293,7 +298,8 @@ class LoggedStep:
         self.known = {"step": runner.iter, "epoch": runner.epoch + 1,
                       "lr": runner.optim_wrapper.get_lr(),
                       "time": timer.iter_time, "data_time": timer.data_time}
-        self.metrics = own_step_metrics(runner) if with_metrics else None
+        self.metrics = None if window is None else own_step_metrics(
+            runner, window, self.known["time"] - self.known["data_time"])
         self.eta = round(timer.eta_seconds(runner.max_iters - runner.iter))
         self.max_iters = runner.max_iters
         self.max_epochs = runner.max_epochs if runner.by_epoch else None
@@ -323,13 +329,14 @@ class LoggedStep:
                 f"eta {datetime.timedelta(seconds=self.eta)}")
 
 
-def own_step_metrics(runner: Any) -> dict[str, Any]:
+def own_step_metrics(runner: Any, window: tuple[float, int, int | None],
+                     compute_time: float) -> dict[str, Any]:
     """Rank 0's part of a logged step's step metrics, taken at the step: its gradient norms
-    (where its optimiser stepped), compute time, and the timer's window (seconds, tokens)."""
-    timer = runner.timer
-    seconds, _, tokens = timer.window_counts()
+    (where its optimiser stepped), compute time (the timer's iteration time less its data
+    time), and the timer's ``window`` (seconds, whether every batch stated its tokens)."""
+    seconds, _, tokens = window
     return {"norms": grad_norms(runner.optim_wrapper),
-            "compute_time": max(timer.iter_time - timer.data_time, 0.0),
+            "compute_time": max(compute_time, 0.0),
             "seconds": seconds, "tokens": tokens is not None}
 
 
