@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from trainrun.cli.train import main as train_main
 from trainrun.dist.launch import free_port
-from trainrun.examples import resolve
+from trainrun.examples import digits, resolve
 from trainrun.examples.digits import DigitsDataset
 from trainrun.examples.tinylm import CharCorpus
 
@@ -79,6 +80,31 @@ def test_digit_splits_are_disjoint_and_cover_the_set():
     item = splits["train"][0]
     assert item["inputs"].shape == (64,) and item["labels"].dtype == torch.int64
     assert 0.0 <= float(splits["train"].inputs.min()) and float(splits["train"].inputs.max()) <= 1
+
+
+def test_digits_read_from_the_file_equal_scikit_learns_load_digits(monkeypatch):
+    """The file read gives load_digits' arrays exactly; where the file is not found, the
+    fallback through load_digits gives them too."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    pixels, labels = digits.read_digits()
+    assert np.array_equal(pixels, bunch.data) and pixels.dtype == bunch.data.dtype
+    assert np.array_equal(labels.astype(np.int64), bunch.target)
+    monkeypatch.setattr(digits, "DIGITS_FILE", Path("no", "such", "file.csv.gz"))
+    pixels, labels = digits.read_digits()
+    assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+
+
+def test_digits_load_without_importing_scikit_learn():
+    """Every process of a digits run reads the data; importing scikit-learn would cost each
+    about a second."""
+    code = ("import sys; from trainrun.examples.digits import DigitsDataset; "
+            "n = len(DigitsDataset('train')); print(n, 'sklearn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1438", "False"]
 
 
 def test_char_corpus_targets_are_inputs_shifted_and_splits_do_not_overlap():
