@@ -90,7 +90,7 @@ def test_digits_read_from_the_file_equal_scikit_learns_load_digits(monkeypatch):
     bunch = load_digits()
     pixels, labels = digits.read_digits()
     assert np.array_equal(pixels, bunch.data) and pixels.dtype == bunch.data.dtype
-    assert np.array_equal(labels.astype(np.int64), bunch.target)
+    assert np.array_equal(labels, bunch.target) and labels.dtype == np.int64
     monkeypatch.setattr(digits, "DIGITS_FILE", Path("no", "such", "file.csv.gz"))
     pixels, labels = digits.read_digits()
     assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)

@@ -30,7 +30,7 @@ DIGITS_FILE = Path("datasets", "data", "digits.csv.gz")
 
 def read_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits as its `load_digits` gives them: pixels (N x 64, float64, 0 to 16)
-    and labels (N). Read from the file scikit-learn ships, which takes milliseconds where
+    and labels (N, int64). Read from the file scikit-learn ships, which takes milliseconds where
     importing scikit-learn takes about a second in every process; through `load_digits` where
     that file is not where scikit-learn 1.x keeps it."""
     spec = importlib.util.find_spec("sklearn")
@@ -38,11 +38,11 @@ def read_digits() -> tuple[np.ndarray, np.ndarray]:
     if path is not None and path.is_file():
         with gzip.open(path, "rt") as f:
             table = np.loadtxt(f, delimiter=",")
-        return table[:, :-1], table[:, -1]
+        return table[:, :-1], table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    return bunch.data, bunch.target
+    return bunch.data, bunch.target.astype(np.int64)
 
 
 @lru_cache(maxsize=1)
@@ -50,7 +50,7 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """All images as float32 in [0, 1] (N x 64) and their labels as int64 (N), read once per
     process."""
     pixels, labels = read_digits()
-    return (pixels / MAX_PIXEL).astype(np.float32), labels.astype(np.int64)
+    return (pixels / MAX_PIXEL).astype(np.float32), labels
 
 
 def split_indices(num_samples: int, split: str, val_fraction: float, test_fraction: float,
