@@ -156,11 +156,10 @@ class Stopwatch:
 
     def result(self, steps: int, losses: dict[int, float]) -> Result:
         """Seconds per step of the slowest rank, and every rank's CPU seconds per step."""
-        wall = torch.tensor(self.wall, dtype=torch.float64)
-        torch_dist.all_reduce(wall, torch_dist.ReduceOp.MAX)
-        cpu = [torch.zeros(1, dtype=torch.float64) for _ in range(torch_dist.get_world_size())]
-        torch_dist.all_gather(cpu, torch.tensor([self.cpu], dtype=torch.float64))
-        return Result(float(wall) / steps, losses, [float(c) / steps for c in cpu])
+        ranks = [torch.zeros(2, dtype=torch.float64) for _ in range(torch_dist.get_world_size())]
+        torch_dist.all_gather(ranks, torch.tensor([self.wall, self.cpu], dtype=torch.float64))
+        return Result(max(float(r[0]) for r in ranks) / steps, losses,
+                      [float(r[1]) / steps for r in ranks])
 
 
 def seed_everything(seed: int) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from trainrun.dist import Handle, gather_rows, is_main_process
 from trainrun.runner.hooks.base import LOGGER, Hook, every
+from trainrun.runner.hooks.timer import Window
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
@@ -217,7 +218,7 @@ class LoggerHook(Hook):
         self._tracking = False
 
 
-def rank_counts(window: tuple[float, int, int | None], device: torch.device) -> list[float]:
+def rank_counts(window: Window, device: torch.device) -> list[float]:
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
     over the timer's ``window`` (`IterTimerHook.window_counts`; tokens 0 where its batches
     state none), and its peak memory."""
@@ -288,8 +289,7 @@ class LoggedStep:
     own step metrics, the ETA), waiting for the other ranks' numbers (`Gathering`).
     ``window``: the timer's window at the step with the step metrics on, else None."""
 
-    def __init__(self, runner: Any, gathering: Gathering,
-                 window: tuple[float, int, int | None] | None):
+    def __init__(self, runner: Any, gathering: Gathering, window: Window | None):
         self.gathering = gathering
         self.known: dict[str, Any] | None = None
         if not is_main_process():
@@ -329,8 +329,7 @@ class LoggedStep:
                 f"eta {datetime.timedelta(seconds=self.eta)}")
 
 
-def own_step_metrics(runner: Any, window: tuple[float, int, int | None],
-                     compute_time: float) -> dict[str, Any]:
+def own_step_metrics(runner: Any, window: Window, compute_time: float) -> dict[str, Any]:
     """Rank 0's part of a logged step's step metrics, taken at the step: its gradient norms
     (where its optimiser stepped), compute time (the timer's iteration time less its data
     time), and the timer's ``window`` (seconds, whether every batch stated its tokens)."""

@@ -12,6 +12,8 @@ from torch import Tensor
 from trainrun.runner.hooks.base import TIMER, Hook
 
 TOKENS = "num_tokens"  # the key of a dict batch that states how many tokens it holds
+# over the timer's window: the seconds its iterations took, their samples, and their tokens
+Window = tuple[float, int, int | None]
 
 
 def batch_counts(batch: Any) -> tuple[int, int | None]:
@@ -83,7 +85,7 @@ class IterTimerHook(Hook):
     def data_time(self) -> float:
         return sum(self.data_times) / len(self.data_times) if self.data_times else 0.0
 
-    def window_counts(self) -> tuple[float, int, int | None]:
+    def window_counts(self) -> Window:
         """Over the window: the seconds its iterations took, their samples, and their tokens
         (None unless every batch in it stated its tokens)."""
         tokens = None if not self.tokens or None in self.tokens \
