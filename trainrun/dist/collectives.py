@@ -23,6 +23,8 @@ from trainrun.dist.device import get_comm_device
 from trainrun.dist.info import get_default_group, get_rank, get_world_size
 from trainrun.dist.timeouts import named_operation
 
+#: The reduce ops every collective here takes by name, in any case ('mean' is a sum
+#: divided by the world size).
 REDUCE_OPS = ("sum", "mean", "product", "min", "max", "band", "bor", "bxor")
 _TORCH_OPS = {
     "sum": ReduceOp.SUM,
@@ -46,18 +48,39 @@ def reduce_op_name(op: str) -> str:
 
 
 class Handle:
-    """What an ``async_op=True`` collective returns: ``wait()`` finishes all of its work;
+    """What a collective called with ``async_op=True`` returns, to finish its work later.
+
+    ``wait()`` finishes all of the collective's work: the communication and what comes after
+    it (the division of a 'mean', the copy back into a tensor that was moved for the backend).
     ``result()`` waits and returns what the collective made where it makes something new
-    (`gather_rows`: the rows on ``dst``, None elsewhere), None where it works in place."""
+    (``gather_rows``: the rows on ``dst``, None elsewhere), None where it works in place. In a
+    process that is not distributed the collectives return a handle that never waits.
+
+    Args:
+        work: the backend's pending work (torch's ``Work``); None when nothing is pending.
+        finish: what to run once ``work`` is done; what it returns is ``result()``. None: nothing.
+        name: the collective's name, for the message of a timeout.
+        group: the process group the collective runs on, for the message of a timeout.
+    """
 
     def __init__(self, work: Any = None, finish: Callable[[], Any] | None = None,
-                 name: str = "collective", group: ProcessGroup | None = None):
+                 name: str = "collective", group: ProcessGroup | None = None) -> None:
         self._work = work
         self._finish = finish
         self._name, self._group = name, group  # for a timeout's message
         self._result: Any = None
 
     def wait(self) -> bool:
+        """Wait until the collective is done on this rank, then finish its work.
+
+        Calling it again returns at once.
+
+        Returns:
+            True, as torch's ``Work.wait`` does.
+
+        Raises:
+            DistTimeoutError: when the backend reports that the collective ran out of time.
+        """
         if self._work is not None:
             with named_operation(self._name, self._group):
                 self._work.wait()
@@ -68,11 +91,25 @@ class Handle:
         return True
 
     def result(self) -> Any:
+        """Wait for the collective (as ``wait`` does), then return what it made.
+
+        Returns:
+            What the collective made, for those that make something new (for ``gather_rows``
+            the (world_size, length) tensor on ``dst``, None on the other ranks); None for the
+            collectives that work in place.
+
+        Raises:
+            DistTimeoutError: when the backend reports that the collective ran out of time.
+        """
         self.wait()
         return self._result
 
     def is_completed(self) -> bool:
-        """Whether `wait` would return without waiting for other ranks: their part is done."""
+        """Whether ``wait`` would return without waiting for other ranks: their part is done.
+
+        Returns:
+            True once the backend's work is complete, or when there was none to wait for.
+        """
         return self._work is None or self._work.is_completed()
 
 
@@ -91,7 +128,7 @@ def _for_comm(data: Tensor, group: ProcessGroup) -> Tensor:
 
 def _run(name: str, group: ProcessGroup, async_op: bool, start: Callable[[bool], Any],
          finish: Callable[[], None] | None) -> Handle | None:
-    """Start a collective; finish it now, or hand back a `Handle` that finishes it."""
+    """Start a collective; finish it now, or hand back a ``Handle`` that finishes it."""
     with named_operation(name, group):
         work = start(async_op)
         if async_op:
@@ -103,10 +140,26 @@ def _run(name: str, group: ProcessGroup, async_op: bool, start: Callable[[bool],
 
 def all_reduce(data: Tensor, op: str = "sum", group: ProcessGroup | None = None,
                async_op: bool = False) -> Handle | None:
-    """Reduce ``data`` across ranks, in place.
+    """Reduce ``data`` across the ranks of ``group``, in place.
 
-    'mean' is a sum divided by the world size (true division, then stored in ``data``'s
-    dtype, so integer tensors hold the truncated mean).
+    Works for any tensor on any backend: a CPU tensor on nccl or a CUDA tensor on gloo is
+    moved to the device the backend communicates on, and the result copied back. 'mean' is a
+    sum divided by the world size (true division, then stored in ``data``'s dtype), so it works
+    for integer tensors too: they hold the truncated mean. When not distributed, ``data`` stays
+    as it is.
+
+    Args:
+        data: the tensor to reduce; on every rank it holds the result afterwards.
+        op: 'sum', 'mean', 'product', 'min', 'max', 'band', 'bor' or 'bxor', in any case.
+        group: the process group to reduce over; None for the default group.
+        async_op: return a ``Handle`` at once instead of waiting for the result.
+
+    Returns:
+        With ``async_op``, a ``Handle`` whose ``wait()`` finishes the work, the division of
+        'mean' and the copy back included; else None.
+
+    Raises:
+        ValueError: when ``op`` is none of the above; the message names the allowed ones.
     """
     op = reduce_op_name(op)
     if get_world_size(group) == 1:
@@ -193,9 +246,23 @@ def _all_gather_into(tensor_list: list[Tensor], tensor: Tensor,
 def all_gather(data: Tensor | list[Tensor], *args: Any, **kwargs: Any) -> Any:
     """Gather ``data`` from every rank: ``all_gather(data, group=None) -> list[Tensor]``.
 
-    Tensors may have different shapes on different ranks. Also accepts torch's call shape
-    ``all_gather(tensor_list, tensor, group=None, async_op=False)``, which fills
-    ``tensor_list``.
+    Tensors may have different shapes on different ranks (the shapes are exchanged first).
+    Also accepts torch's call shape ``all_gather(tensor_list, tensor, group=None,
+    async_op=False)``, which fills ``tensor_list`` with every rank's ``tensor``.
+
+    Args:
+        data: this rank's tensor, of up to 16 dimensions; in torch's call shape, the list of
+            one tensor per rank to fill.
+        *args: ``group``, the process group (None: the default group); in torch's call shape
+            ``tensor``, ``group`` and ``async_op``.
+        **kwargs: the same arguments by name.
+
+    Returns:
+        One tensor per rank, in rank order, each on ``data``'s device (``[data]`` when not
+        distributed). In torch's call shape None, or a ``Handle`` with ``async_op``.
+
+    Raises:
+        ValueError: when a tensor of more than 16 dimensions is gathered across ranks.
     """
     if isinstance(data, list):
         return _all_gather_into(data, *args, **kwargs)
@@ -212,10 +279,27 @@ def _gather(data: Tensor, dst: int = 0, group: ProcessGroup | None = None) -> li
 
 
 def gather(data: Tensor, *args: Any, **kwargs: Any) -> Any:
-    """Gather ``data`` to ``dst``: ``gather(data, dst=0, group=None)`` returns the list on
-    ``dst`` and ``[]`` elsewhere.
+    """Gather every rank's ``data`` to one rank: ``gather(data, dst=0, group=None) -> list``.
 
-    Also accepts torch's call shape ``gather(tensor, gather_list, dst, group, async_op)``.
+    Works on nccl too, where torch has no gather, and with tensors whose shapes differ by
+    rank. Also accepts torch's call shape ``gather(tensor, gather_list, dst, group, async_op)``
+    (told apart by a second positional argument that is a list or None, or by
+    ``gather_list`` given by name), which fills ``gather_list`` on ``dst``.
+
+    Args:
+        data: this rank's tensor, of up to 16 dimensions.
+        *args: ``dst``, the rank in ``group`` that receives (default 0), and ``group``, the
+            process group (None: the default group); in torch's call shape ``gather_list``,
+            ``dst``, ``group`` and ``async_op``.
+        **kwargs: the same arguments by name.
+
+    Returns:
+        On ``dst``, every rank's tensor in rank order, each on ``data``'s device; ``[]`` on
+        the other ranks (``[data]`` when not distributed). In torch's call shape None, or with
+        ``async_op`` a ``Handle`` (the gather has already finished).
+
+    Raises:
+        ValueError: when a tensor of more than 16 dimensions is gathered across ranks.
     """
     torch_shape = "gather_list" in kwargs or (
         args and (args[0] is None or isinstance(args[0], list)))
@@ -233,12 +317,21 @@ def gather(data: Tensor, *args: Any, **kwargs: Any) -> Any:
 
 def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None,
                 async_op: bool = False) -> Tensor | Handle | None:
-    """Every rank's ``row`` (a 1-d tensor of the same length and dtype on every rank) stacked
-    in rank order on ``dst``, a (world_size, length) tensor; None on the other ranks. With
-    ``async_op``, a `Handle` whose ``result()`` is that.
+    """Stack every rank's ``row`` in rank order on ``dst``, in one gather.
 
-    One gather and no exchange of shapes (`gather` takes rows of any shape at the cost of a
-    second collective).
+    One gather and no exchange of shapes (``gather`` takes tensors of any shape at the cost of
+    a second collective), so every rank must pass a row of the same length and dtype.
+
+    Args:
+        row: this rank's 1-d tensor, of the same length and dtype on every rank.
+        dst: the rank in ``group`` that receives the rows.
+        group: the process group; None for the default group.
+        async_op: return a ``Handle`` at once instead of waiting for the result.
+
+    Returns:
+        On ``dst``, a (world_size, length) tensor on ``row``'s device; None on the other
+        ranks; a (1, length) tensor when not distributed. With ``async_op``, a ``Handle``
+        whose ``result()`` is that.
     """
     world_size = get_world_size(group)
     if world_size == 1:
@@ -260,7 +353,22 @@ def gather_rows(row: Tensor, dst: int = 0, group: ProcessGroup | None = None,
 
 def broadcast(data: Tensor, src: int = 0, group: ProcessGroup | None = None,
               async_op: bool = False) -> Handle | None:
-    """Send ``src``'s ``data`` to every rank, in place (non-contiguous tensors too)."""
+    """Send ``src``'s ``data`` to every rank of ``group``, in place.
+
+    Non-contiguous tensors, and tensors on another device than the backend's, work too: the
+    backend gets a contiguous copy on its device and the result is copied back. When not
+    distributed, nothing happens.
+
+    Args:
+        data: the tensor to send on ``src``, and to overwrite on the other ranks.
+        src: the rank in ``group`` whose ``data`` is sent.
+        group: the process group; None for the default group.
+        async_op: return a ``Handle`` at once instead of waiting for the result.
+
+    Returns:
+        With ``async_op``, a ``Handle`` whose ``wait()`` finishes the work, the copy back
+        included; else None.
+    """
     if get_world_size(group) == 1:
         return Handle() if async_op else None
     group = _group(group)
@@ -276,7 +384,26 @@ def broadcast(data: Tensor, src: int = 0, group: ProcessGroup | None = None,
 
 def reduce(data: Tensor, dst: int = 0, op: str = "sum", group: ProcessGroup | None = None,
            async_op: bool = False) -> Handle | None:
-    """Reduce ``data`` across ranks into ``dst``'s ``data``."""
+    """Reduce ``data`` across the ranks of ``group`` into ``dst``'s ``data``.
+
+    The ops, the moves between devices and what 'mean' does with integer tensors are those of
+    ``all_reduce``; only ``dst`` receives the result. When not distributed, ``data`` stays as
+    it is.
+
+    Args:
+        data: this rank's tensor; on ``dst`` it holds the result afterwards.
+        dst: the rank in ``group`` that receives the result.
+        op: 'sum', 'mean', 'product', 'min', 'max', 'band', 'bor' or 'bxor', in any case.
+        group: the process group; None for the default group.
+        async_op: return a ``Handle`` at once instead of waiting for the result.
+
+    Returns:
+        With ``async_op``, a ``Handle`` whose ``wait()`` finishes the work (on ``dst``, the
+        division of 'mean' and the copy back included); else None.
+
+    Raises:
+        ValueError: when ``op`` is none of the above; the message names the allowed ones.
+    """
     op = reduce_op_name(op)
     if get_world_size(group) == 1:
         return Handle() if async_op else None
@@ -297,7 +424,17 @@ def reduce(data: Tensor, dst: int = 0, op: str = "sum", group: ProcessGroup | No
 
 
 def sync_random_seed(seed: int | None = None, group: ProcessGroup | None = None) -> int:
-    """Rank 0's ``seed`` (or a fresh random one below 2**31) on every rank."""
+    """Agree on one random seed: rank 0's, on every rank of ``group``.
+
+    Args:
+        seed: this rank's seed; None draws a fresh one below 2**31 (from numpy's global
+            generator, on every rank; rank 0's wins).
+        group: the process group; None for the default group.
+
+    Returns:
+        Rank 0's ``seed`` (or its fresh one), the same on every rank; this process's own
+        when not distributed.
+    """
     if seed is None:
         seed = int(np.random.randint(2**31))
     if get_world_size(group) == 1:
@@ -318,13 +455,29 @@ def _dict_value(value: Tensor | float | int, to_float: bool) -> Tensor:
 
 def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
                     group: ProcessGroup | None = None, to_float: bool = True) -> dict:
-    """Reduce every value of a dict in one flat collective per dtype, in place (as MMEngine's
-    does: code written for it logs ``data`` afterwards), and return it.
+    """Reduce every value of a dict across ranks, in place, and return it.
 
-    Keys may come in any order on each rank. Tensor values come back as tensors of their
-    shape, numbers as numbers. With ``to_float`` integer and bool values are reduced as
-    floats (so 'mean' is exact); floating values always keep their dtype. A mapping that
-    cannot be changed is left as it is; the reduced copy is returned.
+    One flat collective per dtype reduces all the values. The dict is reduced in place (as
+    MMEngine's is: code written for it logs ``data`` afterwards) and also returned. Keys may
+    come in any order on each rank. Tensor values come back as tensors of their shape, numbers
+    as numbers.
+
+    Args:
+        data: a dict of tensors or Python numbers, with the same keys on every rank. A
+            mapping that cannot be changed is left as it is; the reduced copy is returned.
+        op: one of ``all_reduce``'s ops ('sum', 'mean', 'product', 'min', 'max', 'band',
+            'bor', 'bxor').
+        group: the process group; None for the default group.
+        to_float: reduce integer and bool values as floats (so 'mean' is exact), and return
+            them as floats; False keeps every value's dtype (an int64 tensor comes back
+            int64). Floating values always keep their dtype.
+
+    Returns:
+        ``data`` itself, every value reduced; for a mapping that cannot be changed, a new
+        ordered dict of the reduced values in ``data``'s key order.
+
+    Raises:
+        ValueError: when ``op`` is not one of the reduce ops; the message names them.
     """
     op = reduce_op_name(op)
     keys = sorted(data)
@@ -350,7 +503,22 @@ def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
 
 def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_size_mb: int = -1,
                       op: str = "sum", group: ProcessGroup | None = None) -> None:
-    """Reduce parameters or buffers in place, flattened into buckets by dtype and size."""
+    """Reduce parameters or buffers across ranks, in place.
+
+    Args:
+        params: the tensors to reduce: parameters (their ``.data`` is reduced) or buffers,
+            e.g. ``model.parameters()`` or ``model.buffers()``.
+        coalesce: flatten the tensors into buckets by dtype, device and size, one collective
+            per bucket; False: one collective per tensor.
+        bucket_size_mb: the most MiB one bucket holds (a larger tensor gets a bucket of its
+            own); 0 or less: no limit, one bucket per dtype and device.
+        op: one of ``all_reduce``'s ops ('sum', 'mean', 'product', 'min', 'max', 'band',
+            'bor', 'bxor').
+        group: the process group; None for the default group.
+
+    Raises:
+        ValueError: when ``op`` is not one of the reduce ops; the message names them.
+    """
     op = reduce_op_name(op)
     tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
     if get_world_size(group) == 1 or not tensors:

@@ -26,8 +26,12 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def get_device() -> str:
-    """The accelerator type this process computes on: 'cuda', 'npu', 'mlu', 'musa', 'mps' or
-    'cpu'."""
+    """The type of device this process computes on: the first accelerator available, else cpu.
+
+    Returns:
+        'cuda', 'npu', 'mlu', 'musa' or 'mps' (checked in that order) when such a device is
+        available, else 'cpu'.
+    """
     if torch.cuda.is_available():
         return "cuda"
     for name in ("npu", "mlu", "musa"):
@@ -40,7 +44,16 @@ def get_device() -> str:
 
 
 def get_comm_device(group: ProcessGroup | None = None) -> torch.device:
-    """The device ``group``'s backend communicates on: cuda for nccl, cpu for gloo and mpi."""
+    """The device ``group``'s backend communicates on: cuda for nccl, cpu for gloo and mpi.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Returns:
+        The current device of the backend's accelerator type (cuda for nccl, npu for hccl,
+        mlu for cncl, musa for mccl); cpu for gloo, mpi and any other backend, and when not
+        distributed.
+    """
     kind = _BACKEND_DEVICE.get(get_backend(group) or "", "cpu")
     if kind == "cpu":
         return torch.device("cpu")
@@ -57,8 +70,15 @@ def _not_data(data: Any) -> str:
 def get_data_device(data: Any) -> torch.device:
     """The one device of a tensor or of a (nested) list/tuple/dict of tensors.
 
-    Raises ValueError when the tensors sit on different devices or there are none, and
-    TypeError for anything that holds no tensors.
+    Args:
+        data: a tensor, or a list, tuple or dict (nested to any depth) of tensors.
+
+    Returns:
+        The device all of ``data``'s tensors are on.
+
+    Raises:
+        ValueError: when the tensors sit on different devices, or there are none.
+        TypeError: when ``data`` (or an item in it) is neither a tensor nor a container.
     """
     if isinstance(data, torch.Tensor):
         return data.device
@@ -84,6 +104,20 @@ def cast_data_device(data: Any, device: torch.device | str, out: Any = None) -> 
     """Move a tensor or (nested) list/tuple/dict of tensors to ``device``.
 
     With ``out`` (the same nesting), copies into its tensors instead and returns ``out``.
+
+    Args:
+        data: a tensor, or a list, tuple or dict (nested to any depth) of tensors.
+        device: the device to move to, e.g. 'cuda' or ``torch.device('cpu')``.
+        out: None, or data of the same type and nesting, on ``device``, to copy into.
+
+    Returns:
+        ``data`` on ``device``, in containers of the same types; ``out`` when given.
+
+    Raises:
+        TypeError: when ``out``'s type is not ``data``'s, or ``data`` holds anything but
+            tensors and containers.
+        ValueError: when ``out`` is on another device type, or its keys or lengths differ from
+            ``data``'s.
     """
     if out is not None and type(out) is not type(data) and not (
         isinstance(out, torch.Tensor) and isinstance(data, torch.Tensor)

@@ -1,6 +1,6 @@
 """Which ranks are alive, and where each one is: a heartbeat through the rendezvous store.
 
-While `watch_ranks` is active, a thread in every rank writes the rank's place (its step and
+While ``watch_ranks`` is active, a thread in every rank writes the rank's place (its step and
 phase: forward, backward, a collective's name, checkpoint save, ...) to the job's store about
 once a second, and watches the rank before it in the ring, so the store serves three small
 requests per rank per second whatever the job's size. When that rank has been silent for
@@ -16,8 +16,8 @@ connections (its host died), or the store has not answered for the collective ti
 host froze, or this node is cut off). Each rank then says in one line, on stderr only, what
 was lost since the newest checkpoint.
 
-The main thread only records its place (`at_step`, `phase`, `at_checkpoint`: attribute
-writes, no I/O).
+The main thread only records its place (``at_step``, ``phase``, ``at_checkpoint``:
+attribute writes, no I/O).
 """
 
 from __future__ import annotations
@@ -59,31 +59,54 @@ _place = _Place()
 
 
 def at_step(step: int | None, done: int | None = None) -> None:
-    """Record the training step this rank is in (None: not in a step) and how many steps it
-    has finished: ``step - 1`` unless ``done`` says otherwise (``step`` itself once its
-    training step is over and its hooks run)."""
+    """Record the training step this rank is in, and how many steps it has finished.
+
+    An attribute write, no I/O: the heartbeat reports it, and a rank that stops says what it
+    loses from it.
+
+    Args:
+        step: the step this rank is in; None: not in a step.
+        done: how many steps it has finished; None: ``step - 1`` (pass ``step`` itself once
+            its training step is over and its hooks run).
+    """
     _place.step = step
     _place.done = done if done is not None or step is None else step - 1
 
 
 def at_checkpoint(name: str | None, step: int = 0) -> None:
-    """Record ``name`` (written after ``step`` steps) as the checkpoint a restart of this run
-    would continue from; None: none yet."""
+    """Record the checkpoint a restart of this run would continue from.
+
+    Args:
+        name: the checkpoint's name; None: there is none yet.
+        step: how many steps had been trained when it was written.
+    """
     _place.checkpoint = None if name is None else (name, step)
 
 
 def set_phase(name: str) -> None:
-    """Record ``name`` as this rank's phase until the next call."""
+    """Record ``name`` as this rank's phase until the next call.
+
+    Args:
+        name: where the rank is (e.g. 'forward', 'backward', a collective's name), as the
+            heartbeat reports it.
+    """
     _place.phase = name
 
 
 class phase:  # noqa: N801 - used as a context manager, like a function
-    """Record ``name`` as this rank's phase inside the block; the outer phase comes back after,
-    unless the block raised: the phase then stays where the failure happened."""
+    """Record ``name`` as this rank's phase inside a ``with`` block.
+
+    The outer phase comes back after the block, unless the block raised: the phase then stays
+    where the failure happened.
+
+    Args:
+        name: where the rank is inside the block (e.g. 'forward', a collective's name), as the
+            heartbeat reports it.
+    """
 
     __slots__ = ("name", "outer")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
 
     def __enter__(self) -> None:
@@ -95,9 +118,19 @@ class phase:  # noqa: N801 - used as a context manager, like a function
 
 
 def is_comm_error(error: BaseException) -> bool:
-    """Whether ``error`` came from communication (a peer that died, froze or left, or a
-    timeout) rather than from this rank's own work. torch raises DistError subclasses for
-    some; gloo raises plain RuntimeErrors whose text names the transport."""
+    """Whether ``error`` came from communication rather than from this rank's own work.
+
+    Communication errors are a peer that died, froze or left, or a timeout. torch raises
+    DistError subclasses for some; gloo raises plain RuntimeErrors whose text names the
+    transport.
+
+    Args:
+        error: the exception to tell.
+
+    Returns:
+        True for torch's DistError and its subclasses, and for a RuntimeError whose message
+        names a closed or reset connection, a broken pipe, a timeout or gloo's transport.
+    """
     if isinstance(error, torch_dist.DistError):
         return True
     text = str(error)
@@ -373,7 +406,7 @@ class Heartbeat:
 
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this
-        rank's main thread `GRACE` seconds to fail by itself, as it does when it waits on a
+        rank's main thread ``GRACE`` seconds to fail by itself, as it does when it waits on a
         failed rank that then exits; if it does not, it is stuck: end this process. A rank
         whose main thread handles a failure itself (it posted it, or explains it) is not
         counted as told: the failing rank waits on the others' count."""
@@ -392,7 +425,7 @@ class Heartbeat:
 
     def conclude(self, message: str, culprits: list[int]) -> None:
         """Say why the job stops (on one rank: the lowest that is not a culprit), then count
-        this rank as told, which lets a failing rank exit (see `post_failure`). Once."""
+        this rank as told, which lets a failing rank exit (see ``post_failure``). Once."""
         with self._concluding:
             if self._concluded:
                 return
@@ -416,7 +449,7 @@ class Heartbeat:
 
     def beats(self) -> dict[int, Beat | None]:
         """Every rank's last beat (None: none yet): two store requests when every rank has
-        reported (one `check` of all keys, one `multi_get`), not one per rank."""
+        reported (one ``check`` of all keys, one ``multi_get``), not one per rank."""
         keys = [self.key(r) for r in range(self.world_size)]
         present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
         values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
@@ -425,7 +458,7 @@ class Heartbeat:
 
     def account(self) -> tuple[str, list[int]]:
         """Every rank's state as one line, and the silent ranks: those that missed three
-        beats (a live rank beats every `interval` seconds, whatever its main thread does)."""
+        beats (a live rank beats every ``interval`` seconds, whatever its main thread does)."""
         return describe(self.beats(), time.time(), 3 * self.interval, self._started)
 
     def _post(self, message: str, ranks: list[int]) -> tuple[str, list[int]]:
@@ -467,7 +500,7 @@ class Heartbeat:
         """Why a collective of this rank failed: a failure another rank posted, or else the
         ranks that went silent (waiting up to ``wait`` seconds for one of the two to show, as a
         peer that just died still has a fresh beat). Posted for the others, said once for the
-        job (`conclude`), and returned."""
+        job (``conclude``), and returned."""
         self.failing = True
         self._beat()  # this rank's own place, as of now
         deadline = time.monotonic() + wait
@@ -489,7 +522,12 @@ _generation = 0  # heartbeats started in this process: keys of an earlier one ar
 
 class PeerFailure(RuntimeError):
     """This rank stopped because another rank failed or went silent; the message says which.
-    ``said``: whether the heartbeat has already said it (once for the whole job)."""
+
+    Args:
+        message: which rank failed or went silent, and where.
+        said: whether the heartbeat has already said it (once for the whole job); kept as the
+            attribute ``said``.
+    """
 
     def __init__(self, message: str, said: bool = True):
         super().__init__(message)
@@ -511,7 +549,7 @@ def _store(silent_after: float) -> torch_dist.Store | None:
     """A client of the default group's store for the heartbeat alone (None: the group has no
     store, as under the MPI backend), whose calls give up after a few beats where torch honours
     the timeout (a store whose host froze can still block a call for good: see
-    `Heartbeat._watch_job`). torch has no public accessor for that
+    ``Heartbeat._watch_job``). torch has no public accessor for that
     store; one without ``clone`` (torch < 2.5) is shared, timeout and all."""
     try:
         store = torch_dist.distributed_c10d._get_default_store()
@@ -538,9 +576,24 @@ def _prefix() -> str:
 
 @contextmanager
 def watch_ranks(silent_after: float, training: bool = False) -> Iterator[Heartbeat | None]:
-    """Run this rank's heartbeat for the duration (every rank of the default group must enter
-    together); yields None where there is nothing to watch (one process, or no store).
-    ``training``: a rank that stops says which steps since the newest checkpoint it loses."""
+    """Run this rank's heartbeat for the duration of the ``with`` block.
+
+    Every rank of the default group must enter together. Meanwhile a thread in each rank
+    reports the rank's step and phase to the job's store about once a second and watches the
+    rank before it: when that rank has been silent for ``silent_after`` seconds, or some rank
+    posts a failure, it ends its own process with one message naming who stopped and where
+    every rank was. A second thread ends the rank when its launcher died or the store is gone
+    or has not answered for ``silent_after`` seconds.
+
+    Args:
+        silent_after: seconds after which a rank that has not reported counts as silent (the
+            collective timeout).
+        training: a rank that stops also says which steps since the newest checkpoint it loses.
+
+    Yields:
+        This rank's ``Heartbeat``; None where there is nothing to watch (one process, or a
+        default group without a store, as under the MPI backend).
+    """
     from trainrun.dist.launch import STARTERS, infer_launcher  # launch imports this module
 
     global _generation

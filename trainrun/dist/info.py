@@ -25,44 +25,93 @@ _LOCAL_GROUP: tuple[weakref.ref, weakref.ref] | None = None
 
 
 def is_distributed() -> bool:
-    """True once this process has joined the default process group."""
+    """Whether this process has joined the default process group.
+
+    Returns:
+        True once it has (``init_dist``); False in a process that never joined one, or
+        where torch.distributed is not available.
+    """
     return torch_dist.is_available() and torch_dist.is_initialized()
 
 
 def get_default_group() -> ProcessGroup | None:
-    """The default (world) process group, or None when not distributed."""
+    """The default (world) process group.
+
+    Returns:
+        The group every rank joined, or None when not distributed.
+    """
     return torch_dist.distributed_c10d._get_default_group() if is_distributed() else None
 
 
 def get_backend(group: ProcessGroup | None = None) -> str | None:
-    """The communication backend of ``group`` ('gloo', 'nccl', ...), None when not distributed."""
+    """The communication backend of ``group``.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Returns:
+        The backend's name ('gloo', 'nccl', 'mpi', ...), or None when not distributed.
+    """
     if not is_distributed():
         return None
     return str(torch_dist.get_backend(group or get_default_group()))
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
-    """Number of processes in ``group`` (1 when not distributed)."""
+    """The number of processes in ``group``.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Returns:
+        How many ranks ``group`` has; 1 when not distributed.
+    """
     return torch_dist.get_world_size(group) if is_distributed() else 1
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
-    """This process's rank in ``group`` (0 when not distributed)."""
+    """This process's rank in ``group``.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Returns:
+        The rank, from 0; 0 when not distributed.
+    """
     return torch_dist.get_rank(group) if is_distributed() else 0
 
 
 def get_dist_info(group: ProcessGroup | None = None) -> tuple[int, int]:
-    """``(rank, world_size)`` of ``group``."""
+    """This process's rank and the world size of ``group``, in one call.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Returns:
+        ``(rank, world_size)``; ``(0, 1)`` when not distributed.
+    """
     return get_rank(group), get_world_size(group)
 
 
 def is_main_process(group: ProcessGroup | None = None) -> bool:
-    """True on rank 0 of ``group``, and in a non-distributed process."""
+    """Whether this process is rank 0 of ``group``, the one that logs and writes files.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Returns:
+        True on rank 0, and in a process that is not distributed; False elsewhere.
+    """
     return get_rank(group) == 0
 
 
 def get_local_group() -> ProcessGroup | None:
-    """The group of the ranks on this node, once `init_local_group` has built it."""
+    """The group of the ranks on this node, once ``init_local_group`` has built it.
+
+    Returns:
+        This node's group; None before ``init_local_group`` (in the current default group)
+        and when not distributed.
+    """
     if _LOCAL_GROUP is None or _LOCAL_GROUP[0]() is not get_default_group():
         return None
     return _LOCAL_GROUP[1]()
@@ -80,10 +129,13 @@ def _env_int(name: str, default: int) -> int:
 
 
 def get_local_rank() -> int:
-    """Rank among the processes of this node (0 when not distributed).
+    """This process's rank among the processes of its node.
 
     Answers from the local group when there is one, else from ``LOCAL_RANK``, which every
-    launcher of `init_dist` exports.
+    launcher of ``init_dist`` exports, so it needs no local group.
+
+    Returns:
+        The local rank, from 0; 0 when not distributed.
     """
     local_group = get_local_group()
     if local_group is not None:
@@ -92,7 +144,14 @@ def get_local_rank() -> int:
 
 
 def get_local_size() -> int:
-    """Number of processes on this node (1 when not distributed)."""
+    """The number of processes on this node.
+
+    Answers from the local group when there is one, else from ``LOCAL_WORLD_SIZE``, which
+    every launcher of ``init_dist`` exports, so it needs no local group.
+
+    Returns:
+        The local world size; 1 when not distributed.
+    """
     local_group = get_local_group()
     if local_group is not None:
         return torch_dist.get_world_size(local_group)
@@ -100,7 +159,15 @@ def get_local_size() -> int:
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
-    """Wait for every rank of ``group``; a no-op when not distributed."""
+    """Wait until every rank of ``group`` has called this; a no-op when not distributed.
+
+    Args:
+        group: the process group; None for the default group.
+
+    Raises:
+        DistTimeoutError: when some rank does not arrive within the collective timeout (as
+            the backend reports it).
+    """
     if is_distributed():
         from trainrun.dist.timeouts import named_operation
 
@@ -109,7 +176,18 @@ def barrier(group: ProcessGroup | None = None) -> None:
 
 
 def master_only(func: F) -> F:
-    """Decorate ``func`` so it runs on rank 0 only; other ranks get None."""
+    """Decorate ``func`` so it runs on rank 0 only; other ranks get None.
+
+    Rank 0 of the default group; a process that is not distributed counts as rank 0, so
+    ``func`` runs there.
+
+    Args:
+        func: the function to guard, e.g. one that logs or writes a file.
+
+    Returns:
+        A function with ``func``'s name and docstring that calls ``func`` and returns its
+        result on rank 0, and returns None without calling it on every other rank.
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

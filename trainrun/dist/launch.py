@@ -1,6 +1,6 @@
-"""Joining the job: the pytorch, slurm and mpi launchers, `init_dist` and local groups.
+"""Joining the job: the pytorch, slurm and mpi launchers, ``init_dist`` and local groups.
 
-Each launcher turns its own environment variables into one `LaunchEnv`; `init_dist` exports
+Each launcher turns its own environment variables into one ``LaunchEnv``; ``init_dist`` exports
 torchrun's variables from it (so code that reads ``LOCAL_RANK`` works under any launcher),
 joins the default process group and then checks that the ranks are consistent.
 """
@@ -21,14 +21,23 @@ from trainrun.dist.info import _set_local_group, get_world_size, is_distributed
 from trainrun.dist.slurm import expand_nodelist, expand_tasks_per_node
 from trainrun.dist.timeouts import named_operation, set_timeout, to_timedelta
 
+#: The launchers ``init_dist`` joins a job with; a config's launcher may also be 'none'.
 LAUNCHERS = ("pytorch", "slurm", "mpi")  # those that join a job (the config adds 'none')
 STARTERS = {"pytorch": "torchrun", "slurm": "srun", "mpi": "mpirun"}  # each launcher's program
+#: The communication backends ``init_dist`` takes; 'auto' means nccl when CUDA is available,
+#: else gloo.
 BACKENDS = ("auto", "nccl", "gloo", "mpi")
 DEFAULT_PORT = 29500
 
 
 class DistInitError(RuntimeError):
-    """The job cannot be joined: a launcher variable is missing, or the ranks disagree."""
+    """The job cannot be joined: a launcher variable is missing, or the ranks disagree.
+
+    ``init_dist`` raises it with one clear message instead of a hang or a KeyError: which
+    variable is missing or malformed and how to start the job (``RANK is not set: start this
+    with torchrun, or use --launcher none``), what the ranks disagreed on, or that this
+    process already joined a group. A RuntimeError.
+    """
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ def _port(port: int | str | None, fallback: int) -> int:
 
 
 def pytorch_env(**_: Any) -> LaunchEnv:
-    """Read the variables torchrun (and `accelerate launch`) set."""
+    """Read the variables torchrun (and ``accelerate launch``) set."""
     how = "start this with torchrun"
     rank = _int_var("RANK", how)  # first: a plain `python train.py` is told "RANK is not set"
     world_size = _int_var("WORLD_SIZE", how)
@@ -112,7 +121,7 @@ def slurm_port(port: int | str | None = None) -> int:
 
 
 def slurm_env(port: int | str | None = None, **_: Any) -> LaunchEnv:
-    """Read the variables `srun` sets for each task."""
+    """Read the variables ``srun`` sets for each task."""
     how = "start this with srun inside a SLURM allocation"
     world_size = _int_var("SLURM_NTASKS", how)
     if world_size > 1 and not (os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")):
@@ -216,7 +225,7 @@ def _first_int(names: tuple[str, ...]) -> tuple[int, str] | None:
 
 def announced_world_size(launcher: str) -> tuple[int, str] | None:
     """The world size ``launcher``'s variables announce and the variable that says it (None
-    when none is set, or for launcher 'none'). Unlike `launch_env` this checks nothing else and
+    when none is set, or for launcher 'none'). Unlike ``launch_env`` this checks nothing else and
     never asks MPI: what a dry run can show."""
     return _first_int(WORLD_SIZE_VARS.get(launcher, ()))
 
@@ -242,7 +251,15 @@ _joined_as: list[str] = []  # the launcher `init_dist` joined the group as, once
 
 
 def infer_launcher() -> str:
-    """The launcher that started this process: 'pytorch', 'slurm', 'mpi' or 'none'."""
+    """The launcher that started this process, as its environment variables tell.
+
+    Once ``init_dist`` has joined the group, the launcher it joined as (every launcher exports
+    torchrun's variables then).
+
+    Returns:
+        'pytorch' under torchrun, 'slurm' inside an srun step of more than one task, 'mpi'
+        under mpirun (Open MPI, MPICH or Intel MPI), else 'none'.
+    """
     if _joined_as:  # every launcher exports torchrun's variables on joining
         return _joined_as[-1]
     env = os.environ
@@ -322,11 +339,47 @@ def init_dist(
 ) -> None:
     """Join the default process group as ``launcher`` describes this process.
 
+    Each launcher's variables say where this process sits in the job:
+
+    - pytorch reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+      ``MASTER_ADDR`` and ``MASTER_PORT``, as torchrun (and ``accelerate launch``) sets them.
+    - slurm reads ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+      ``SLURM_NTASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE`` and ``SLURM_NODELIST`` (the
+      step's own variables first, where srun sets them). The master is ``MASTER_ADDR`` if
+      set, else the first host of the node list (compressed lists such as
+      ``gpu[01-04,07],cpu3`` are expanded without ``scontrol``); its port is the ``port``
+      argument, else ``MASTER_PORT``, else one derived from ``SLURM_JOB_ID`` (so two jobs
+      sharing a node do not collide), else 29500. The global rank is the number of tasks on
+      the nodes before this one plus the local rank (``SLURM_PROCID`` where ``SLURM_NODEID``
+      does not tell the node).
+    - mpi reads Open MPI's ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
+      ``OMPI_COMM_WORLD_LOCAL_RANK`` and ``OMPI_COMM_WORLD_LOCAL_SIZE``, or MPICH and Intel
+      MPI's ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID`` and ``MPI_LOCALNRANKS``. The
+      master is ``MASTER_ADDR`` if set, else 127.0.0.1 for a one-node job, else rank 0's
+      host (asked over mpi4py); its port is the ``port`` argument, else ``MASTER_PORT``, else
+      29500.
+
+    Every launcher then exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (and ``MASTER_ADDR``, ``MASTER_PORT``), so code that reads
+    torchrun's variables finds the right device under any launcher. With nccl the CUDA device
+    is set to the local rank. After joining, the ranks check the group: every rank must agree
+    on the world size N, and the ranks must be 0..N-1 once each (their sum N(N-1)/2).
+
     Args:
         launcher: 'pytorch' (torchrun), 'slurm' (srun) or 'mpi' (mpirun).
-        backend: 'nccl', 'gloo', 'mpi', or 'auto' (nccl with CUDA, else gloo).
-        timeout: seconds or a timedelta every collective may take (default 30 minutes).
-        kwargs: ``port`` for slurm and mpi; the rest goes to `init_process_group`.
+        backend: 'nccl', 'gloo', 'mpi', or 'auto' (nccl when CUDA is available, else gloo).
+        timeout: seconds or a timedelta that every collective may take; None: 30 minutes.
+        **kwargs: ``port`` for slurm and mpi; the rest goes to torch's
+            ``init_process_group``.
+
+    Raises:
+        ValueError: when ``launcher`` or ``backend`` is none of the above, nccl is asked for
+            without CUDA or mpi of a torch built without MPI, ``timeout`` is not a positive
+            number of seconds or timedelta, or the port is not a number from 1 to 65535.
+        DistInitError: when this process has already joined a group; when a launcher variable
+            is missing or not a whole number, naming it and how to start the job (``RANK is
+            not set: start this with torchrun, or use --launcher none``), never a hang or a
+            KeyError; or when the ranks disagree after joining, naming on what.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}; got {launcher!r}")
@@ -353,11 +406,14 @@ def init_dist(
 
 
 def leave_dist() -> None:
-    """Leave the default process group, if this process joined one, before the interpreter
-    shuts down: unreachable objects still holding a finished collective's tensors are collected
-    first, while Python runs, because a gloo thread that frees them after shutdown has begun
-    aborts the process ('terminate called without an active exception'; 8 of 20 runs of
-    tools/dist_demo.py under torchrun without the collection, 0 of 20 with it)."""
+    """Leave the default process group, if this process joined one.
+
+    Call it before the interpreter shuts down: unreachable objects still holding a finished
+    collective's tensors are collected first, while Python runs, because a gloo thread that
+    frees them after shutdown has begun aborts the process ('terminate called without an
+    active exception'; 8 of 20 runs of tools/dist_demo.py under torchrun without the
+    collection, 0 of 20 with it). A no-op when not distributed.
+    """
     if not is_distributed():
         return
     gc.collect()
@@ -382,10 +438,19 @@ def _host_for_url(host: str) -> str:
 
 
 def init_local_group(node_rank: int, num_gpus_per_node: int) -> None:
-    """Build one group per node (ranks node*n .. node*n+n-1) and keep this node's.
+    """Build one group per node (ranks ``node * n`` to ``node * n + n - 1``) and keep this node's.
 
     Every rank takes part in creating every node's group, as torch requires, so this works
-    across any number of nodes. A no-op when not distributed.
+    across any number of nodes; every rank must call it. ``get_local_group`` then returns this
+    node's group. A no-op when not distributed.
+
+    Args:
+        node_rank: this node's index, from 0.
+        num_gpus_per_node: n, the number of ranks on each node (the same on every node).
+
+    Raises:
+        ValueError: when ``num_gpus_per_node`` is not positive or does not divide the world
+            size, or ``node_rank`` is not below the number of nodes.
     """
     if not is_distributed():
         return

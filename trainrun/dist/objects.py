@@ -1,9 +1,9 @@
-"""Collectives for any picklable object, and `collect_results` for distributed evaluation.
+"""Collectives for any picklable object, and ``collect_results`` for distributed evaluation.
 
 Objects travel as pickled bytes (highest protocol) in uint8 tensors. Only the bytes of other
-ranks are unpickled: a rank's own object is handed back as it is. `gather_object` and
-`collect_results` send point to point to one rank, which pickles nothing itself, so the others
-never hold the whole result list. `collect_results` sends results in chunks: pickling a chunk
+ranks are unpickled: a rank's own object is handed back as it is. ``gather_object`` and
+``collect_results`` send point to point to one rank, which pickles nothing itself, so the others
+never hold the whole result list. ``collect_results`` sends results in chunks: pickling a chunk
 overlaps with unpickling the one before, and small pickles are faster than one big one. Each
 chunk's message ends with the next one's length, so the next receive is posted before a chunk
 is unpickled: on a busy machine a rank waiting to be woken may wait a scheduler tick (about
@@ -88,8 +88,19 @@ def cpu_group() -> ProcessGroup:
 
 def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | None = None) -> None:
     """Replace the items of ``data`` on every rank with ``src``'s, in place, like torch's.
+
     Anything but a list is refused, in a single process too (code that passes one would fail
-    only once it runs on several)."""
+    only once it runs on several). When not distributed, ``data`` stays as it is.
+
+    Args:
+        data: a list of picklable objects: sent on ``src``; on the other ranks its items are
+            replaced by ``src``'s.
+        src: the rank in ``group`` whose items are sent.
+        group: the process group; None for the default group.
+
+    Raises:
+        TypeError: when ``data`` is not a list.
+    """
     if not isinstance(data, list):
         raise TypeError(f"broadcast_object_list fills a list in place; got "
                         f"{type(data).__name__} {data!r:.60}")
@@ -126,9 +137,19 @@ def _all_gather_object(data: Any, group: ProcessGroup | None = None) -> list[Any
 def all_gather_object(data: Any, *args: Any, **kwargs: Any) -> list[Any] | None:
     """Every rank's ``data``: ``all_gather_object(data, group=None) -> list``.
 
-    This rank's own entry is ``data`` itself, not a copy. Also accepts torch's call shape
-    ``all_gather_object(object_list, obj, group=None)``, which fills ``object_list`` (pass
-    ``obj=None`` by keyword to gather None that way).
+    Any picklable object. This rank's own entry is ``data`` itself, not a copy. Also accepts
+    torch's call shape ``all_gather_object(object_list, obj, group=None)``, which fills
+    ``object_list`` (pass ``obj=None`` by keyword to gather None that way).
+
+    Args:
+        data: this rank's object; in torch's call shape, the list to fill.
+        *args: ``group``, the process group (None: the default group); in torch's call shape
+            ``obj`` and ``group``.
+        **kwargs: the same arguments by name.
+
+    Returns:
+        One object per rank, in rank order (``[data]`` when not distributed); None in torch's
+        call shape.
     """
     torch_shape = "obj" in kwargs or (
         args and args[0] is not None and not isinstance(args[0], ProcessGroup)
@@ -150,7 +171,7 @@ def _send_object(data: Any, dst: int, group: ProcessGroup) -> None:
 
 
 def _receive_objects(sources: list[int], group: ProcessGroup) -> list[Any]:
-    """The objects that group ranks ``sources`` send with `_send_object`, in that order.
+    """The objects that group ranks ``sources`` send with ``_send_object``, in that order.
 
     Every receive is posted before the first is unpickled, so later ranks' bytes arrive while
     earlier ones are being unpickled.
@@ -172,8 +193,17 @@ def _receive_objects(sources: list[int], group: ProcessGroup) -> list[Any]:
 def gather_object(data: Any, dst: int = 0, group: ProcessGroup | None = None) -> list | None:
     """Every rank's ``data`` as a list on ``dst`` (None elsewhere); works on nccl too.
 
-    The other ranks send to ``dst`` point to point; ``dst`` neither pickles its own ``data``
-    (its entry is ``data`` itself) nor sends anything.
+    Any picklable object. The other ranks send to ``dst`` point to point; ``dst`` neither
+    pickles its own ``data`` (its entry is ``data`` itself) nor sends anything.
+
+    Args:
+        data: this rank's object.
+        dst: the rank in ``group`` that receives.
+        group: the process group; None for the default group.
+
+    Returns:
+        On ``dst``, one object per rank in rank order; None on the other ranks. ``[data]``
+        when not distributed.
     """
     if get_world_size(group) == 1:
         return [data]
@@ -246,7 +276,7 @@ def _send_list(items: list, dst: int, group: ProcessGroup) -> None:
 
 
 def _receive_list(src: int, group: ProcessGroup) -> list:
-    """The list that group rank ``src`` sends with `_send_list`. The next chunk's receive is
+    """The list that group rank ``src`` sends with ``_send_list``. The next chunk's receive is
     posted before this one is unpickled, so it arrives meanwhile."""
     device = get_comm_device(group)
     peer = _global_rank(group, src)
@@ -285,7 +315,20 @@ def _collect_through_group(result_part: list, size: int, group: ProcessGroup) ->
 
 
 def collect_results_gpu(result_part: list, size: int) -> list | None:
-    """Gather every rank's results to rank 0 through the communication backend."""
+    """Gather every rank's results to rank 0 through the communication backend.
+
+    The half of ``collect_results`` for ``device='gpu'``: each rank sends its part to rank 0
+    point to point, on the device the backend communicates on (a GPU under nccl).
+
+    Args:
+        result_part: this rank's results.
+        size: how many results to keep (the data set's length: the sampler pads).
+
+    Returns:
+        On rank 0, every rank's results in the order a non-shuffling ``DistributedSampler``
+        dealt them out, cut to ``size``; None on the other ranks. When not distributed, the
+        first ``size`` items of ``result_part``.
+    """
     if not is_distributed():
         return list(result_part)[:size]
     return _collect_through_group(result_part, size, _group(None))
@@ -321,8 +364,20 @@ def _collect_through_dir(result_part: list, size: int, tmpdir: str) -> list | No
 def collect_results_cpu(result_part: list, size: int, tmpdir: str | None = None) -> list | None:
     """Gather every rank's results to rank 0 on the CPU.
 
-    Without ``tmpdir`` they go through a gloo group (no shared disk needed); with it, through
-    a private directory created inside ``tmpdir`` (which every rank must see) and removed after.
+    The half of ``collect_results`` for ``device='cpu'``. Without ``tmpdir`` the results go
+    through a gloo group (no shared disk needed); with it, through a private directory created
+    inside ``tmpdir`` (which every rank must see) and removed after.
+
+    Args:
+        result_part: this rank's results.
+        size: how many results to keep (the data set's length: the sampler pads).
+        tmpdir: a directory every rank sees, to pass the results through; None: through a
+            gloo group instead.
+
+    Returns:
+        On rank 0, every rank's results in the order a non-shuffling ``DistributedSampler``
+        dealt them out, cut to ``size``; None on the other ranks. When not distributed, the
+        first ``size`` items of ``result_part``.
     """
     if not is_distributed():
         return list(result_part)[:size]
@@ -335,9 +390,25 @@ def collect_results(results: list, size: int, device: str = "cpu",
                     tmpdir: str | None = None) -> list | None:
     """Rank 0 gets every rank's ``results`` in dataset order, cut to ``size``; others get None.
 
-    The order is the one a non-shuffling `DistributedSampler` dealt (rank 0's first item,
+    The order is the one a non-shuffling ``DistributedSampler`` dealt (rank 0's first item,
     rank 1's first, ..., then the second ones); its padding is cut off; results that are
-    themselves None are kept. ``device`` is 'cpu' or 'gpu' (through the backend).
+    themselves None are kept. The other ranks never hold the whole list.
+
+    Args:
+        results: this rank's results, in the order it made them.
+        size: how many results to keep (the data set's length: the sampler pads).
+        device: 'cpu' (``collect_results_cpu``: through a gloo group, or through ``tmpdir``)
+            or 'gpu' (``collect_results_gpu``: through the communication backend).
+        tmpdir: for 'cpu', a directory every rank sees: the results go through a private
+            directory created inside it and removed after. None: no disk is used. Not used
+            for 'gpu'.
+
+    Returns:
+        On rank 0, the full list in dataset order, cut to ``size``; None on the other ranks.
+        When not distributed, the first ``size`` items of ``results``.
+
+    Raises:
+        ValueError: when ``device`` is neither 'cpu' nor 'gpu'.
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu'; got {device!r}")

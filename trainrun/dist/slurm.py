@@ -1,4 +1,4 @@
-"""Reading SLURM's compressed host and task lists without calling `scontrol`."""
+"""Reading SLURM's compressed host and task lists without calling ``scontrol``."""
 
 from __future__ import annotations
 
@@ -51,7 +51,21 @@ def _expand_host(pattern: str) -> list[str]:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM node list: 'gpu[01-02,07],cpu3' -> ['gpu01', 'gpu02', 'gpu07', 'cpu3']."""
+    """Expand a SLURM node list, as ``srun`` gives it, into host names.
+
+    ``'gpu[01-02,07],cpu3'`` becomes ``['gpu01', 'gpu02', 'gpu07', 'cpu3']``: zero padding
+    is kept, and every bracket of a host name is expanded. No ``scontrol`` is needed.
+
+    Args:
+        nodelist: a node list as SLURM writes it (e.g. ``SLURM_NODELIST``).
+
+    Returns:
+        The host names, in the list's order.
+
+    Raises:
+        ValueError: when the list is empty, its brackets are unbalanced, or a range is not
+            numbers or runs backwards.
+    """
     nodelist = nodelist.strip()
     if not nodelist:
         raise ValueError("SLURM node list is empty")

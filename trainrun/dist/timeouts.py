@@ -19,7 +19,12 @@ _timeout: datetime.timedelta = DEFAULT_TIMEOUT
 
 
 class DistTimeoutError(RuntimeError):
-    """A collective did not finish within the process group's timeout."""
+    """A collective did not finish within the process group's timeout.
+
+    Raised in place of the backend's own timeout error (chained to it), with a message that
+    names the operation, the timeout and this rank, says that another rank did not take part,
+    and quotes the backend's words. A RuntimeError.
+    """
 
 
 def to_timedelta(timeout: float | int | datetime.timedelta | None) -> datetime.timedelta:

@@ -10,7 +10,9 @@ class BaseDistBackend(ABC):
     """Gathers and broadcasts picklable objects over one communication library.
 
     Code that must run under several libraries (distributed metric evaluation above all)
-    talks to this interface and lets `get_dist_backend` pick the implementation.
+    talks to this interface and lets ``get_dist_backend`` pick the implementation:
+    ``NonDist``, ``TorchCPUDist``, ``TorchCUDADist`` or ``MPI4PyDist``. Their constructors
+    take no arguments.
     """
 
     @property
@@ -30,8 +32,23 @@ class BaseDistBackend(ABC):
 
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list:
-        """Every rank's ``obj``, in rank order."""
+        """Gather a picklable object from every rank.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            Every rank's ``obj``, in rank order.
+        """
 
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``src``'s ``obj`` on every rank."""
+        """Send ``src``'s picklable object to every rank.
+
+        Args:
+            obj: the object to send on ``src``; on the other ranks it is not used.
+            src: the rank whose object is sent.
+
+        Returns:
+            ``src``'s ``obj``, on every rank.
+        """

@@ -20,25 +20,50 @@ def _mpi() -> Any:
 
 
 class MPI4PyDist(BaseDistBackend):
-    """Objects over MPI's COMM_WORLD (pickled by mpi4py)."""
+    """Objects over MPI's COMM_WORLD (pickled by mpi4py), without torch.distributed.
+
+    Raises:
+        ImportError: on construction, when mpi4py or the MPI library is missing (the
+            message says what to install).
+    """
 
     def __init__(self) -> None:
         self._comm = _mpi().COMM_WORLD
 
     @property
     def is_initialized(self) -> bool:
+        """Whether MPI is initialised and COMM_WORLD has more than one process."""
         return bool(_mpi().Is_initialized()) and self._comm.Get_size() > 1
 
     @property
     def rank(self) -> int:
+        """This process's rank in COMM_WORLD."""
         return self._comm.Get_rank()
 
     @property
     def world_size(self) -> int:
+        """The number of processes in COMM_WORLD."""
         return self._comm.Get_size()
 
     def all_gather_object(self, obj: Any) -> list:
+        """Gather a picklable object from every rank, with MPI's allgather.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            Every rank's ``obj``, in rank order.
+        """
         return self._comm.allgather(obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send ``src``'s picklable object to every rank, with MPI's bcast.
+
+        Args:
+            obj: the object to send on ``src``; on the other ranks it is not used.
+            src: the rank in COMM_WORLD whose object is sent.
+
+        Returns:
+            ``src``'s ``obj``, on every rank.
+        """
         return self._comm.bcast(obj, root=src)
