@@ -99,8 +99,113 @@ from trainrun.wrappers.base import OptimizerMismatch
 class Runner:
     """Trains, validates and tests one model under one strategy.
 
-    Every part may be given as an object or as its config section (a dict); `from_cfg`
-    passes the sections of a validated config.
+    Every part may be given as an object or as its config section (a dict); ``from_cfg``
+    passes the sections of a validated config. Building the runner does everything a bad
+    config can fail on before anything is written: it joins the job, seeds every rank, builds
+    model and data, lets the strategy wrap the model and build the optimiser, schedules the
+    run and chooses (and verifies) the checkpoint to resume or load from; only then does it
+    prepare ``work_dir`` and ``train.log``, then the hooks.
+
+    Use it as a context manager, so that it lets go of the run directory and of the process
+    group it joined even when training fails::
+
+        with Runner.from_cfg(cfg) as runner:
+            runner.train()
+
+    (or call ``close`` when done). Hooks read the runner's state through these attributes.
+
+    Attributes:
+        rank: this process's global rank.
+        world_size: the number of processes in the job.
+        device: the device this rank computes on (its CUDA device, else the CPU).
+        seed: the random seed of the run (rank 0's, on every rank).
+        work_dir: the run directory, as a ``Path``.
+        logger: the ``trainrun`` logger (the console; ``train.log`` on rank 0).
+        cfg: the config the runner was built from (None for one built from objects).
+        model: the model as the strategy wrapped it (its ``train_step``, ``val_step`` and
+            ``test_step`` are what the loops call).
+        optimizer: the torch optimiser, or a dict of them by submodule; None without
+            training data.
+        optim_wrapper: what ``train_step`` gets: an ``OptimWrapper`` (an ``OptimWrapperDict``
+            for several optimisers) or the strategy's own; None without training data.
+        strategy: the ``Strategy`` that wrapped the model and writes its checkpoints.
+        schedulers: the learning-rate schedulers, one per optimiser (stepped after every
+            training iteration).
+        train_dataloader: the training loader, or None.
+        val_dataloader: the validation loader, a dict of them by set name, or None.
+        test_dataloader: the test loader, or None.
+        val_metrics: the validation metrics (a dict of lists by set name for several sets).
+        test_metrics: the test metrics.
+        hooks: every hook, built-in ones included, in the order they run (by ``priority``).
+        epoch: the epoch being trained, counting from 0; by the time ``after_train_epoch``
+            runs it counts the finished epochs.
+        iter: the training iterations finished so far (the global step).
+        max_epochs: the epochs the schedule trains (from ``max_iters`` rounded up when the
+            schedule counts iterations).
+        max_iters: the iterations the schedule trains.
+        by_epoch: whether the schedule counts epochs (else iterations).
+        training: whether ``train`` is running (validation inside training sees True).
+        stop_reason: why training ends early (set by ``request_stop``), else None.
+        load_from: the checkpoint whose weights ``train`` and ``test`` start from, or None.
+        precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``.
+
+    Args:
+        model: the model (a ``BaseModel``, or any module meeting the step contract), or its
+            config section: ``{'type': name or import path, **arguments}``.
+        work_dir: the run directory: ``config.yaml``, ``metrics.jsonl``, ``train.log`` and
+            ``checkpoints/`` are written there.
+        train_dataloader: the training data: a ``DataLoader`` or a data section
+            (``{'type': ..., 'batch_size': ..., ...}``); None: no training (and no optimiser).
+        val_dataloader: the validation data, as ``train_dataloader``; or several named sets,
+            a dict of names to loaders or sections, reported as ``val/<name>/<metric>``.
+            None: no validation.
+        test_dataloader: the test data, as ``train_dataloader``; None: no testing.
+        optim: the ``optim`` section (optimiser type and arguments, ``clip_grad``,
+            ``accumulate``, ``paramwise``, ``per_module``), or a function that builds the
+            optimiser (or a dict of them) from the unwrapped model.
+        scheduler: the ``scheduler`` section; None: a constant learning rate.
+        strategy: a ``Strategy``, a registered strategy's name (``'none'``, ``'ddp'``,
+            ``'separate_ddp'``, ``'fsdp'``, ``'deepspeed'``) or ``{'type': name, **options}``.
+        precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``: autocast in that precision (fp16 with
+            a gradient scaler).
+        compile: False (no compiling), True (torch.compile with every default) or the
+            ``compile`` section's options; the strategy says what it compiles.
+        schedule: the ``schedule`` section (``max_epochs`` or ``max_iters``, ``val_interval``);
+            None: the defaults.
+        val_metrics: the validation metrics; for several validation sets a dict of lists by
+            set name, or one list every set is scored with in turn. None: those each
+            validation section names under ``metrics``, else its data set's
+            ``DEFAULT_METRICS``.
+        test_metrics: the test metrics; None: as for ``val_metrics``.
+        hooks: hooks besides the built-in ones: ``Hook`` objects, or ``hooks`` items of a
+            config (``{'type': ..., 'priority': ..., **options}``), which are built; each is
+            checked against the built run (``Hook.check``).
+        randomness: the ``randomness`` section (``seed``, ``deterministic``,
+            ``diff_rank_seed``); None: the defaults.
+        logging: the ``logging`` section (``interval``, ``backends``, ...); None: the defaults.
+        checkpoint: the ``checkpoint`` section (``interval``, ``max_keep``, ``save_last``,
+            ``save_best``, ...); None: the defaults.
+        preemption: the ``preemption`` section: the signals that stop training at a step
+            boundary with a checkpoint; None: the defaults.
+        resume: False: start afresh; True: continue from the newest intact checkpoint in
+            ``work_dir`` (from the beginning while there is none); a path: that checkpoint,
+            or the newest intact one of that run directory.
+        load_from: a checkpoint (or a run directory, for its newest) whose model weights alone
+            (no optimiser, no position) ``train`` and ``test`` start from.
+        launcher: how to join the job when no process group is up yet: ``'none'`` (one
+            process), ``'pytorch'``, ``'slurm'`` or ``'mpi'``. A group the runner joined is
+            left by ``close``.
+        backend: the communication backend when the runner joins: ``'auto'``, ``'nccl'``,
+            ``'gloo'`` or ``'mpi'``.
+        dist_timeout: the seconds every collective may wait.
+        cfg: the whole config the parts come from (``from_cfg`` passes it): written to
+            ``config.yaml`` and given to the trackers; None for a runner built from objects.
+
+    Raises:
+        ConfigError: a section, a hook's option or the checkpoint to start from that the run
+            cannot use (a damaged checkpoint, or another model's); raised before anything is
+            written.
+        RunDirectoryBusy: another live job holds ``work_dir``.
     """
 
     def __init__(
@@ -129,7 +234,7 @@ class Runner:
         backend: str = "auto",
         dist_timeout: float = DEFAULT_DIST_TIMEOUT,
         cfg: Any = None,
-    ):
+    ) -> None:
         self.cfg = cfg
         self._owns_group = launcher != "none" and not is_distributed()
         if self._owns_group:
@@ -213,7 +318,19 @@ class Runner:
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig | Mapping[str, Any]) -> Runner:
-        """Build a runner from a config loaded and validated by `trainrun.runner.config`."""
+        """Build a runner from a config loaded and validated by ``trainrun.runner.config``.
+
+        Args:
+            cfg: the validated config (an OmegaConf ``DictConfig`` or a plain mapping); its
+                sections become the constructor's arguments, and the config itself its
+                ``cfg``.
+
+        Returns:
+            The runner, built (the process group joined when ``launcher`` says so).
+
+        Raises:
+            ConfigError: what the constructor raises for a config the run cannot use.
+        """
         from trainrun.runner.config import strategy_options
 
         plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) \
@@ -443,12 +560,25 @@ class Runner:
     # ------------------------------------------------------------------ running
 
     def call_hook(self, name: str, *args: Any) -> None:
+        """Call every hook's ``name`` method in priority order, with the runner and ``args``.
+
+        Args:
+            name: the hook point, e.g. ``'after_val'``.
+            *args: what the hook point takes after the runner (e.g. the metrics).
+        """
         for method in self.hook_methods(name):
             method(self, *args)
 
     def hook_methods(self, name: str) -> list[Callable[..., None]]:
-        """The hooks' ``name`` methods in their order, leaving out `Hook`'s own (which do
-        nothing). The training loop takes a step's once an epoch."""
+        """The hooks' ``name`` methods in their order, leaving out ``Hook``'s own (which do
+        nothing). The training loop takes a step's once an epoch.
+
+        Args:
+            name: the hook point, e.g. ``'after_train_iter'``.
+
+        Returns:
+            The bound methods, in the order the hooks run.
+        """
         noop = getattr(Hook, name)
         return [method for method in (getattr(hook, name) for hook in self.hooks)
                 if getattr(method, "__func__", None) is not noop]
@@ -457,11 +587,21 @@ class Runner:
         """End training after the hooks of the current step (or epoch): a checkpoint of that
         step is written and the run ends as a finished one, logging ``reason``. Every rank
         must ask at the same step (decide from numbers every rank has, such as rank 0's
-        validation metrics): the ranks do not vote."""
+        validation metrics): the ranks do not vote.
+
+        Args:
+            reason: why training stops, in words (logged when the run ends); the first
+                request's reason is kept.
+        """
         if self.stop_reason is None:
             self.stop_reason = reason
 
     def train_done(self) -> bool:
+        """Whether training is over: a stop was requested, or the schedule is complete.
+
+        Returns:
+            True once ``request_stop`` was called or ``max_epochs`` (``max_iters``) are done.
+        """
         if self.stop_reason is not None:
             return True
         if self.by_epoch:
@@ -469,7 +609,22 @@ class Runner:
         return self.iter >= self.max_iters
 
     def train(self) -> nn.Module:
-        """Resume (or load weights) as configured, then train to the end of the schedule."""
+        """Resume (or load weights) as configured, then train to the end of the schedule.
+
+        Hooks run from ``before_run`` to ``after_run``; validation and checkpoints come from
+        the built-in hooks. A failure is logged with the rank and the step, the other ranks
+        are told, and every hook's ``on_error`` runs before it is raised. Every rank must call
+        this.
+
+        Returns:
+            The trained model, as the strategy wrapped it.
+
+        Raises:
+            ValueError: the runner has no training data.
+            ConfigError: the checkpoint to resume from does not fit this run's optimiser.
+            Preempted: a stop signal ended training (after saving a checkpoint).
+            PeerFailure: another rank failed or went silent.
+        """
         if self.train_loop is None:
             raise ValueError("train() needs a training data loader (data.train in the config)")
         at_checkpoint(None)
@@ -537,13 +692,37 @@ class Runner:
 
     def val(self) -> dict[str, float]:
         """Validate on the val data; every rank gets the metrics (with several validation
-        sets, each set's as ``val/<name>/<metric>``)."""
+        sets, each set's as ``val/<name>/<metric>``).
+
+        Every rank must call this: each scores its share of the data, rank 0 computes the
+        metrics. The hooks' ``before_val`` and ``after_val`` run around it.
+
+        Returns:
+            The metrics by name, e.g. ``{'accuracy': 0.95}``.
+
+        Raises:
+            ValueError: the runner has no validation data.
+            MetricError: a metric's ``compute`` failed on rank 0 (raised on every rank).
+        """
         if self.val_dataloader is None:
             raise ValueError("val() needs a validation data loader (data.val in the config)")
         return EvalLoop(self, self.val_dataloader, self.val_metrics, "val").run()
 
     def test(self) -> dict[str, float]:
-        """Test on the test data (loading ``load_from`` first when set)."""
+        """Test on the test data (loading ``load_from`` first when set).
+
+        Every rank must call this, as ``val``; the hooks' ``before_test`` and ``after_test``
+        run around it. ``load_from`` is loaded only outside training (a test inside training
+        scores the weights being trained).
+
+        Returns:
+            The metrics by name.
+
+        Raises:
+            ValueError: the runner has no test data.
+            MetricError: a metric's ``compute`` failed on rank 0 (raised on every rank).
+            PeerFailure: another rank failed or went silent.
+        """
         if self.test_dataloader is None:
             raise ValueError("test() needs a test data loader (data.test in the config)")
         if self.load_from and not self.training:
@@ -561,6 +740,11 @@ class Runner:
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint_tag(self) -> str:
+        """The name of a checkpoint of the current position.
+
+        Returns:
+            ``epoch_<epoch>`` when the schedule counts epochs, else ``iter_<iter>``.
+        """
         return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
 
     def _train_state(self) -> dict[str, Any]:
@@ -628,7 +812,16 @@ class Runner:
 
     def saved_hook_state(self, hook: Hook, path: str | os.PathLike) -> Any:
         """What the checkpoint at ``path`` holds of ``hook``'s state (None: nothing), for a
-        hook that uses it outside a resume (EMA's average when testing a checkpoint)."""
+        hook that uses it outside a resume (EMA's average when testing a checkpoint).
+
+        Args:
+            hook: one of ``hooks`` (its state's key in the checkpoint is found from its place).
+            path: the checkpoint to read.
+
+        Returns:
+            The state the hook's ``state_dict`` gave (this rank's, for a ``state_per_rank``
+            hook saved by as many ranks), or None.
+        """
         key = next(key for key, each in self._keyed_hooks() if each is hook)
         state = read_train_state(path).get("hooks", {}).get(key)
         if isinstance(state, Mapping) and "per_rank" in state:
@@ -639,7 +832,21 @@ class Runner:
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
                         background: bool = False) -> Path:
         """Save a checkpoint on every rank (all must call this); returns its path. With
-        ``background`` it is written while training goes on (see `CheckpointManager.save`)."""
+        ``background`` it is written while training goes on (see ``CheckpointManager.save``).
+
+        The hooks' ``before_checkpoint_save`` runs first. The checkpoint holds the model, the
+        optimiser, the schedulers, the position, every rank's RNG states, the sampler's place
+        and the hooks' states.
+
+        Args:
+            name: the checkpoint's name; None: ``checkpoint_tag()``.
+            update_last: point ``checkpoints/last`` at it (and prune old ones to ``max_keep``).
+            background: return once the state is copied in memory; the checkpoint becomes
+                visible when every rank's part is on disk.
+
+        Returns:
+            The path the checkpoint has (or will have) under ``checkpoints/``.
+        """
         self.call_hook("before_checkpoint_save")
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
@@ -721,7 +928,19 @@ class Runner:
             self.load_weights(path)
 
     def resume(self, path: str | os.PathLike) -> None:
-        """Continue exactly where the checkpoint at ``path`` stopped (verified first)."""
+        """Continue exactly where the checkpoint at ``path`` stopped (verified first).
+
+        Loads model, optimiser, schedulers, position, sampler, hooks' states and RNG states
+        (the latter only when the world size is the one that saved it; otherwise random
+        streams restart, said in a warning). Every rank must call this.
+
+        Args:
+            path: the checkpoint (a file, or a directory for sharded strategies).
+
+        Raises:
+            ConfigError: the checkpoint is damaged, or its optimiser state does not fit this
+                run's optimiser.
+        """
         path = self._verified("resume", Path(path))
         try:
             state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
@@ -770,7 +989,16 @@ class Runner:
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path`` (a
-        checkpoint, or a work_dir for its newest; verified first)."""
+        checkpoint, or a work_dir for its newest; verified first).
+
+        Args:
+            path: a checkpoint, or a run directory (or its ``checkpoints`` directory), whose
+                ``last`` names the newest.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist or names no checkpoint.
+            ConfigError: the checkpoint is damaged.
+        """
         path = self._verified("load_from", resolve_checkpoint(path))
         self.strategy.load_model_state_dict(self.model, read_weights(path))
         self.logger.info("loaded weights from %s", path)
@@ -778,17 +1006,29 @@ class Runner:
     # ------------------------------------------------------------------ teardown
 
     def __enter__(self) -> Runner:
+        """Use the runner in a ``with`` block, which ends with ``close``.
+
+        Returns:
+            The runner itself.
+        """
         return self
 
     def __exit__(self, exc_type: type | None, error: BaseException | None,
                  traceback: object) -> None:
+        """``close(error)``: the exception that ended the block, if any, is passed on (and
+        not suppressed)."""
         self.close(error)
 
     def close(self, error: BaseException | None = None) -> None:
         """Let go of the run directory, drop model and optimiser, then leave the process group
-        if this runner joined it (see `_leave_group`); ``error``: what ended the run, if any.
+        if this runner joined it (``error``: what ended the run, if any).
 
         DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
+        After a failed collective the group is not destroyed: a collective still waiting on a
+        frozen peer would hold the destroy up for the timeout.
+
+        Args:
+            error: the exception that ended the run, or None.
         """
         self.checkpoints.abandon()
         self.metrics_file.close()

@@ -1,10 +1,10 @@
 """Trackers: where a run's numbers go besides the console and ``metrics.jsonl``.
 
-A tracker is any class with these three methods (subclassing `Tracker` is optional); rank 0
+A tracker is any class with these three methods (subclassing ``Tracker`` is optional); rank 0
 makes one of each listed in ``logging.backends``, without arguments, and calls:
 
 ``start(run_dir, config, resume)``
-    once, before the first training step: the run directory (a `Path` that exists), the
+    once, before the first training step: the run directory (a ``Path`` that exists), the
     resolved config as plain dicts and lists (empty for a runner built from objects), and
     whether the run resumes from a checkpoint.
 ``log(values, step)``
@@ -44,19 +44,55 @@ METHODS = ("start", "log", "finish")  # the interface
 
 
 class Tracker:
-    """The interface of a tracker; the methods say what each call brings (see the module)."""
+    """The interface of a tracker; the methods say what each call brings (see the module).
+
+    A tracker is any class with ``start``, ``log`` and ``finish`` (subclassing this one is
+    optional; ``fail`` is optional too). Rank 0 alone makes one of each listed in
+    ``logging.backends``, without arguments: by a shipped name (``tensorboard``, ``wandb``,
+    ``mlflow``) or by import path (``my_project.trackers.MyTracker``). No collectives in any
+    of its methods: they run on rank 0 only.
+    """
 
     def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
-        """Open the tracker's run (its files under ``run_dir``, ``config`` as its parameters)."""
+        """Open the tracker's run (its files under ``run_dir``, ``config`` as its parameters).
+
+        Called once, before the first training step.
+
+        Args:
+            run_dir: the run directory (it exists).
+            config: the resolved config as plain dicts and lists (empty for a runner built
+                from objects).
+            resume: whether the run resumes from a checkpoint (a tracker may continue its
+                earlier run).
+        """
 
     def log(self, values: dict[str, float], step: int) -> None:
-        """Record ``values`` at ``step``."""
+        """Record ``values`` at ``step``.
+
+        Called at every logged line.
+
+        Args:
+            values: ``{'train/loss': ..., 'train/lr': ..., ...}`` for a training line,
+                ``{'val/accuracy': ...}`` for a validation one.
+            step: the global iteration.
+        """
 
     def finish(self) -> None:
-        """Close the tracker's run."""
+        """Close the tracker's run.
+
+        Called once, when training ends (or from this default ``fail``).
+        """
 
     def fail(self, error: BaseException) -> None:
-        """Close the tracker's run, which ``error`` ended (this default: as `finish`)."""
+        """Close the tracker's run, which ``error`` ended (this default: as ``finish``).
+
+        Called instead of ``finish`` when training ends by an exception (a failure, a stop
+        signal, Ctrl-C), so that the tracker can close its run as failed or killed. No
+        collectives: another rank may be gone.
+
+        Args:
+            error: the exception that ended training.
+        """
         self.finish()
 
 
@@ -73,7 +109,11 @@ def _stored_id(path: Path, resume: bool) -> str | None:
 
 
 class TensorBoardTracker(Tracker):
-    """Scalars under ``<run_dir>/tensorboard``, tagged ``train/<name>`` and ``val/<name>``."""
+    """Scalars under ``<run_dir>/tensorboard``, tagged ``train/<name>`` and ``val/<name>``.
+
+    Named ``tensorboard`` in ``logging.backends``; it needs the tensorboard package (without
+    it the backend is skipped with a warning). It takes no arguments.
+    """
 
     def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -92,7 +132,13 @@ class WandbTracker(Tracker):
     """A Weights & Biases run with its files under ``<run_dir>/wandb``, the config as its
     config. Offline unless ``WANDB_MODE`` says otherwise (``wandb sync`` uploads it later);
     project ``WANDB_PROJECT`` or ``trainrun``; named after the config's ``name``. A resumed
-    run continues the same W&B run (its id is kept in ``<run_dir>/wandb_run_id``)."""
+    run continues the same W&B run (its id is kept in ``<run_dir>/wandb_run_id``).
+
+    Named ``wandb`` in ``logging.backends``; it needs the wandb package
+    (``pip install trainrun[wandb]``). It takes no arguments: the environment variables
+    above configure it. A run that fails is closed with exit code 1, one stopped (a signal,
+    Ctrl-C) with 0.
+    """
 
     ID_FILE = "wandb_run_id"
 
@@ -123,7 +169,13 @@ class MLflowTracker(Tracker):
     experiment ``MLFLOW_EXPERIMENT_NAME`` or the config's ``name``; the config, flattened to
     dotted keys, as its parameters (values cut to MLflow's limit). A resumed run continues the
     same MLflow run (its id is kept in ``<run_dir>/mlflow_run_id``); a parameter the resumed
-    config changed keeps its first value (MLflow refuses changing one), with a warning."""
+    config changed keeps its first value (MLflow refuses changing one), with a warning.
+
+    Named ``mlflow`` in ``logging.backends``; it needs the mlflow package
+    (``pip install trainrun[mlflow]``). It takes no arguments: the environment variables
+    above configure it. A run that fails ends as FAILED, one stopped (a signal, Ctrl-C) as
+    KILLED.
+    """
 
     ID_FILE = "mlflow_run_id"
 
@@ -175,7 +227,15 @@ class MLflowTracker(Tracker):
 
 def params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """``config`` flattened to MLflow parameters: dotted keys (characters MLflow refuses
-    replaced by ``_``), values as text (lists and null as JSON), each cut to MLflow's limit."""
+    replaced by ``_``), values as text (lists and null as JSON), each cut to MLflow's limit.
+
+    Args:
+        config: the resolved config, plain dicts and lists.
+        prefix: put before every key (for the recursion into sections).
+
+    Returns:
+        The parameters, by dotted key.
+    """
     try:
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
     except ImportError:
@@ -213,7 +273,7 @@ def missing_package(name: str) -> str | None:
 
 
 def check_import_path(key: str, value: str) -> str:
-    """A tracker by import path: importable, a class with `METHODS`, made without arguments."""
+    """A tracker by import path: importable, a class with ``METHODS``, made without arguments."""
     expected = f"a tracker class ({', '.join(METHODS)}; see trainrun.runner.trackers)"
     try:
         found = tracker_class(value)
@@ -252,6 +312,6 @@ def check_backend(key: str, value: Any, own: tuple[str, ...]) -> str:
 
 
 def make_trackers(backends: list[str]) -> list[Any]:
-    """A tracker for every entry of ``backends`` that names one (checked by `check_backend`)."""
+    """A tracker for every entry of ``backends`` that names one (checked by ``check_backend``)."""
     return [tracker_class(name)() for name in backends
             if name in BUILT_IN or "." in name]

@@ -3,8 +3,8 @@ the registry of strategies.
 
 A strategy takes the plain model, returns it wrapped for its kind of parallelism with its
 optimiser built over the right parameters, and knows how that pair is checkpointed and how its
-checkpoints are read. Adding a strategy is one new file with a subclass of `Strategy` and one
-line in `STRATEGIES` (trainrun/wrappers/__init__.py fills it with the shipped ones).
+checkpoints are read. Adding a strategy is one new file with a subclass of ``Strategy`` and
+one line in ``STRATEGIES`` (trainrun/wrappers/__init__.py fills it with the shipped ones).
 """
 
 from __future__ import annotations
@@ -78,17 +78,49 @@ def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
 class Strategy(ABC):
     """How a model is wrapped, stepped and checkpointed for one kind of parallelism.
 
-    A new strategy implements `name` and `setup` (which returns a model meeting
-    `trainrun.wrappers.contracts.ModelContract`), and declares `OPTIONS` and `WRAPPERS`.
-    It may inherit the rest, overriding where it differs: `unwrap`, `model_state_dict` and
-    `load_model_state_dict`; `save_checkpoint`, `save_checkpoint_async` and `load_checkpoint`
-    (one torch file from rank 0) with `WRITER_RANK`; `optim_wrapper` (for an engine that steps
-    its own optimiser); `configure`, `check_config` and `teardown`. A checkpoint format of its
-    own (a directory) overrides the classmethods `owns_checkpoint`, `look_inside`,
-    `read_state`, `read_weights` and `model_shapes`; the runner, the checkpoint manager,
-    export and test find it through `checkpoint_format`, which asks the registered strategies.
-    A strategy that shards or offloads overrides `memory_plan` (what ``--dry-run`` plans per
-    rank) and, where it holds state outside the module and optimiser, `state_tensors`.
+    A new strategy implements ``name`` and ``setup`` (which returns a model meeting
+    ``trainrun.wrappers.contracts.ModelContract``), and declares ``OPTIONS`` and ``WRAPPERS``.
+    It may inherit the rest, overriding where it differs: ``unwrap``, ``model_state_dict`` and
+    ``load_model_state_dict``; ``save_checkpoint``, ``save_checkpoint_async`` and
+    ``load_checkpoint`` (one torch file from rank 0) with ``WRITER_RANK``; ``optim_wrapper``
+    (for an engine that steps its own optimiser); ``configure``, ``check_config`` and
+    ``teardown``. A checkpoint format of its own (a directory) overrides the classmethods
+    ``owns_checkpoint``, ``look_inside``, ``read_state``, ``read_weights`` and
+    ``model_shapes``; the runner, the checkpoint manager, export and test find it through
+    ``checkpoint_format``, which asks the registered strategies. A strategy that shards or
+    offloads overrides ``memory_plan`` (what ``--dry-run`` plans per rank) and, where it holds
+    state outside the module and optimiser, ``state_tensors``; one that keeps only a part of
+    each parameter on a rank overrides ``param_shards``, ``shards_written``, ``full_params``
+    and ``shard_params``.
+
+    The runner calls, in order: ``use_compile`` and ``configure``, then ``setup`` and
+    ``optim_wrapper``; ``load_checkpoint`` or ``load_model_state_dict`` to start from a
+    checkpoint; ``save_checkpoint`` (or ``save_checkpoint_async``) through its checkpoint
+    manager; ``teardown`` when it closes. The config layer calls ``check_config`` before
+    anything starts.
+
+    Attributes:
+        name: the strategy's name, as ``strategy.type`` gives it.
+        OPTIONS: the options this strategy takes under ``strategy:`` in the config, with
+            their defaults.
+        WRAPPERS: the classes of the model ``setup`` returns (what ``is_model_wrapper``
+            recognises): a class, or a class's name where importing its library only to ask
+            would cost every run start-up time.
+        WRITER_RANK: in a checkpoint of this strategy, a pattern matching the names of the
+            files each rank writes itself (group 1 is the writer's rank); files it does not
+            match (all, if None) are rank 0's.
+        COMPILES: what ``setup`` compiles when the config's ``compile`` is on, in words for
+            the plan; None: this strategy does not compile (the config refuses ``compile``
+            for it).
+        compile_options: the ``compile`` options ``use_compile`` gave; None: no compiling.
+        options: the options given, over ``OPTIONS``' defaults.
+
+    Args:
+        **options: this strategy's options (the keys of ``OPTIONS``); those not given keep
+            their defaults.
+
+    Raises:
+        ValueError: an option this strategy does not take (the message lists those it does).
     """
 
     name: ClassVar[str]
@@ -106,7 +138,7 @@ class Strategy(ABC):
     # The `compile` options (`COMPILE_DEFAULTS`' keys) `use_compile` gave; None: no compiling.
     compile_options: dict[str, Any] | None = None
 
-    def __init__(self, **options: Any):
+    def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise ValueError(
@@ -118,13 +150,28 @@ class Strategy(ABC):
 
     def configure(self, batch_size: int | None, optim: Mapping[str, Any],  # noqa: B027
                   precision: str) -> None:
-        """The run's own settings, before `setup`: per-rank batch size, the ``optim`` section
+        """The run's own settings, before ``setup``: per-rank batch size, the ``optim`` section
         and the precision. Strategies that step the optimiser themselves (DeepSpeed) need them;
-        this default ignores them."""
+        this default ignores them.
+
+        Args:
+            batch_size: the training loader's batch size on each rank (None without training
+                data).
+            optim: the ``optim`` section (empty when the optimiser is built by a function).
+            precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``.
+        """
 
     def use_compile(self, options: Mapping[str, Any] | None) -> None:
-        """Have `setup` compile the model with ``options`` (`COMPILE_DEFAULTS`' keys), where
-        the strategy says (`COMPILES`); None: no compiling."""
+        """Have ``setup`` compile the model with ``options`` (``COMPILE_DEFAULTS``' keys), where
+        the strategy says (``COMPILES``); None: no compiling.
+
+        Args:
+            options: torch.compile's options (backend, mode, fullgraph, dynamic; those not
+                given keep their defaults), or None.
+
+        Raises:
+            ValueError: options given to a strategy that does not compile.
+        """
         if options is not None and self.COMPILES is None:
             raise ValueError(f"compile: strategy {self.name!r} does not compile models")
         self.compile_options = None if options is None else {**COMPILE_DEFAULTS, **options}
@@ -132,12 +179,26 @@ class Strategy(ABC):
     @classmethod  # noqa: B027 - optional: most strategies run any checked config
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
         """Refuse (ValueError) a checked, plain run config this strategy cannot run, before
-        anything starts; the config layer reports it as a config error. Default: all fine."""
+        anything starts; the config layer reports it as a config error. Default: all fine.
+
+        Args:
+            cfg: the whole run config, checked, as plain dicts and lists.
+
+        Raises:
+            ValueError: a setting this strategy cannot run, in one line naming the key.
+        """
 
     @classmethod
     def options_in(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """This strategy's options as ``cfg['strategy']`` gives them, defaults filled in (other
-        strategies' options left out)."""
+        strategies' options left out).
+
+        Args:
+            cfg: the whole run config, as plain dicts.
+
+        Returns:
+            The options by name.
+        """
         given = cfg["strategy"]
         return {**cls.OPTIONS, **{k: v for k, v in given.items() if k in cls.OPTIONS}}
 
@@ -146,23 +207,67 @@ class Strategy(ABC):
               make_optimizer: MakeOptimizer | None) -> tuple[nn.Module, Optimizers | None]:
         """Move ``model`` to ``device``, wrap it, and build its optimiser with ``make_optimizer``
         over the parameters that will be trained (after wrapping, for strategies that shard).
-        The model returned meets `trainrun.wrappers.contracts.ModelContract`."""
+        The model returned meets ``trainrun.wrappers.contracts.ModelContract``.
+
+        Called on every rank, once the process group (if any) is up; it compiles the model
+        first where ``use_compile`` asked for it.
+
+        Args:
+            model: the user's plain model.
+            device: this rank's device.
+            make_optimizer: builds the optimiser (or a dict of them by submodule) from a
+                module; None: no optimiser (evaluation only).
+
+        Returns:
+            The wrapped model (with ``train_step``, ``val_step``, ``test_step`` and
+            ``.module``) and the optimiser, or None.
+        """
 
     def optim_wrapper(self, model: nn.Module, optimizer: Optimizers | None) -> Any:
-        """The optimiser wrapper ``train_step`` gets (meeting `contracts.StepOptimWrapper`),
+        """The optimiser wrapper ``train_step`` gets (meeting ``contracts.StepOptimWrapper``),
         for a strategy whose wrapped model steps the optimiser itself; ``None`` (this default):
-        the runner's own `OptimWrapper`."""
+        the runner's own ``OptimWrapper``.
+
+        Args:
+            model: the model ``setup`` returned.
+            optimizer: the optimiser ``setup`` returned.
+
+        Returns:
+            The strategy's own optimiser wrapper, or None.
+        """
         return None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's model inside the wrapper."""
+        """The user's model inside the wrapper.
+
+        Args:
+            model: the model ``setup`` returned (or a plain one).
+
+        Returns:
+            Its ``.module``, or ``model`` itself where it has none.
+        """
         return getattr(model, "module", model)
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's state with the unwrapped model's keys."""
+        """The whole model's state with the unwrapped model's keys.
+
+        Args:
+            model: the model ``setup`` returned.
+
+        Returns:
+            The state dict, as the plain model's ``state_dict()`` keys it.
+        """
         return self.unwrap(model).state_dict()
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole model's state (the plain model's keys) into the wrapped model.
+
+        Called on every rank (``Runner.load_weights``, for ``load_from``).
+
+        Args:
+            model: the model ``setup`` returned.
+            state: the weights, as ``model_state_dict`` gives them.
+        """
         self.unwrap(model).load_state_dict(state)
 
     # ------------------------------------------------ this rank's share of the parameters
@@ -172,24 +277,51 @@ class Strategy(ABC):
 
     def param_shards(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """This rank's part of each parameter, by the plain model's names: tensors that share
-        the parameters' storage, so that writing into them (then `shards_written`) changes
-        what the next forward computes with. This default: the whole parameters."""
+        the parameters' storage, so that writing into them (then ``shards_written``) changes
+        what the next forward computes with. This default: the whole parameters.
+
+        Args:
+            model: the model ``setup`` returned.
+
+        Returns:
+            This rank's part of every parameter, by name (detached).
+        """
         return {name: param.detach() for name, param in self.unwrap(model).named_parameters()}
 
     def shards_written(self, model: nn.Module) -> None:  # noqa: B027 - optional
-        """`param_shards`' tensors were written into: refresh any gathered copy of them the
-        strategy keeps (every rank calls this)."""
+        """``param_shards``' tensors were written into: refresh any gathered copy of them the
+        strategy keeps (every rank calls this).
+
+        Args:
+            model: the model ``setup`` returned.
+        """
 
     def full_params(self, model: nn.Module,
                     shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors from every rank's ``shards`` (each cut as `param_shards` cuts the
-        parameter of its name); a collective for a sharded strategy. This default: as given."""
+        """Whole tensors from every rank's ``shards`` (each cut as ``param_shards`` cuts the
+        parameter of its name); a collective for a sharded strategy. This default: as given.
+
+        Args:
+            model: the model ``setup`` returned.
+            shards: this rank's part of each tensor, by parameter name.
+
+        Returns:
+            The whole tensors, by name.
+        """
         return dict(shards)
 
     def shard_params(self, model: nn.Module,
                      full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of each whole tensor in ``full``, cut as `param_shards` cuts the
-        parameter of its name (every rank calls this). This default: as given."""
+        """This rank's part of each whole tensor in ``full``, cut as ``param_shards`` cuts the
+        parameter of its name (every rank calls this). This default: as given.
+
+        Args:
+            model: the model ``setup`` returned.
+            full: whole tensors, by parameter name.
+
+        Returns:
+            This rank's part of each, by name.
+        """
         return dict(full)
 
     # ------------------------------------------------ memory: planned and held
@@ -203,7 +335,17 @@ class Strategy(ABC):
         """The most bytes of parameters, gradients and optimiser state any of ``world_size``
         ranks will hold, from the parameters' ``specs`` and the checked, plain run config
         (``model``: the model built on the meta device, for strategies that need its
-        structure). This default: the whole of each on every rank, in the model's dtype."""
+        structure). This default: the whole of each on every rank, in the model's dtype.
+
+        Args:
+            specs: each parameter's shape, dtype and whether it is trained.
+            world_size: the number of ranks planned for.
+            cfg: the checked, plain run config.
+            model: the model built on the meta device, or None.
+
+        Returns:
+            The planned bytes by kind, with notes on what the total leaves out.
+        """
         plan = replicated(specs)
         if cfg.get("precision", "fp32") != "fp32":
             plan.notes.append(f"precision {cfg['precision']}: autocast computes in it; the "
@@ -213,16 +355,28 @@ class Strategy(ABC):
     def state_tensors(self, model: nn.Module, optimizer: Optimizers | None
                       ) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds now, by kind ('params', 'grads', 'optim'): what
-        `memory.measure` counts to check `memory_plan` against a running job. This default:
-        the module's parameters, their gradients and the optimiser's state."""
+        ``memory.measure`` counts to check ``memory_plan`` against a running job. This default:
+        the module's parameters, their gradients and the optimiser's state.
+
+        Args:
+            model: the model ``setup`` returned.
+            optimizer: the optimiser ``setup`` returned, or None.
+
+        Returns:
+            The tensors by kind (entries may be None, e.g. a gradient not yet made).
+        """
         params = list(self.unwrap(model).parameters())
         return {"params": params, "grads": [p.grad for p in params],
                 "optim": optimizer_tensors(optimizer)}
 
     def measure_inside_step(self, take: Callable[[], None]) -> None:  # noqa: B027 - optional
         """Have ``take`` called wherever inside a training step this strategy's state peaks
-        apart from around the optimiser's step (which `memory.PeakWatch` measures itself).
-        This default: nowhere else."""
+        apart from around the optimiser's step (which ``memory.PeakWatch`` measures itself).
+        This default: nowhere else.
+
+        Args:
+            take: records the memory held at the moment it is called.
+        """
 
     def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                         extra: dict[str, Any]) -> None:
@@ -230,6 +384,13 @@ class Strategy(ABC):
 
         This default writes one file from rank 0, which suits strategies whose every rank
         holds the whole model. Sharded strategies write a directory, every rank its part.
+
+        Args:
+            path: where to write (the checkpoint manager's temporary name; it publishes the
+                checkpoint once every rank's part is on disk).
+            model: the model ``setup`` returned.
+            optimizer: the optimiser ``setup`` returned, or None.
+            extra: the runner's own state (position, RNG states, schedulers, hooks' states).
         """
         if is_main_process():
             save_state_file(path, self._whole_state(model, optimizer, extra))
@@ -238,7 +399,16 @@ class Strategy(ABC):
     def own_files(self, path: str | os.PathLike, rank: int) -> list[Path]:
         """The files of the checkpoint at ``path`` (a file, or a directory) that ``rank`` wrote:
         the ones it can fsync and hash from its own page cache (another rank's may be on
-        another node)."""
+        another node).
+
+        Args:
+            path: the checkpoint.
+            rank: the writer's rank.
+
+        Returns:
+            The files ``WRITER_RANK`` gives to ``rank`` (all of them to rank 0 where it is
+            None).
+        """
         path = Path(path)
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         return [file for file in files if self._writer_rank(file.name) == rank]
@@ -249,9 +419,19 @@ class Strategy(ABC):
 
     def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                               extra: dict[str, Any]) -> Future:
-        """`save_checkpoint` that returns once the state is copied in memory: the write goes
+        """``save_checkpoint`` that returns once the state is copied in memory: the write goes
         on in a background thread, and the future ends when this rank's part is on disk.
-        Called on every rank; training may change the model as soon as this returns."""
+        Called on every rank; training may change the model as soon as this returns.
+
+        Args:
+            path: where to write, as for ``save_checkpoint``.
+            model: the model ``setup`` returned.
+            optimizer: the optimiser ``setup`` returned, or None.
+            extra: the runner's own state.
+
+        Returns:
+            A future that ends (or raises) when this rank's part is written.
+        """
         if not is_main_process():
             done: Future = Future()
             done.set_result(None)
@@ -269,7 +449,20 @@ class Strategy(ABC):
 
     def load_checkpoint(self, path: str, model: nn.Module,
                         optimizer: Optimizers | None) -> dict[str, Any]:
-        """Restore model and optimiser from ``path`` on every rank; returns the extra state."""
+        """Restore model and optimiser from ``path`` on every rank; returns the extra state.
+
+        Args:
+            path: the checkpoint (in this strategy's format).
+            model: the model ``setup`` returned.
+            optimizer: the optimiser ``setup`` returned, or None.
+
+        Returns:
+            The ``extra`` state ``save_checkpoint`` was given.
+
+        Raises:
+            OptimizerMismatch: the saved optimiser state does not fit this run's optimiser.
+            ValueError: the file is not a readable checkpoint, or is truncated.
+        """
         state = load_state_file(path)
         self.load_model_state_dict(model, state.pop("model"))
         load_optimizer_state(optimizer, state.pop("optimizer", None))
@@ -282,37 +475,83 @@ class Strategy(ABC):
     @classmethod
     def owns_checkpoint(cls, path: Path) -> bool:
         """Whether ``path`` is a checkpoint in this strategy's own format; False (this
-        default): the strategy has none, its checkpoints are `Strategy`'s one torch file."""
+        default): the strategy has none, its checkpoints are ``Strategy``'s one torch file.
+
+        Args:
+            path: a file or directory.
+
+        Returns:
+            True for a checkpoint in this strategy's own format.
+        """
         return False
 
     @classmethod
     def look_inside(cls, path: Path) -> None:
         """A cheap look that ``path`` is a readable checkpoint holding only tensors and plain
-        containers (its tensors' data is not read); raises ValueError or UnpicklingError."""
+        containers (its tensors' data is not read); raises ValueError or UnpicklingError.
+
+        Args:
+            path: the checkpoint.
+
+        Raises:
+            ValueError: not a readable checkpoint (damaged, truncated, written by something
+                else).
+            pickle.UnpicklingError: it holds something other than tensors and plain
+                containers.
+        """
         load_mapped(path)
 
     @classmethod
     def read_state(cls, path: Path) -> dict[str, Any]:
-        """The whole checkpoint as one plain state (model, optimiser, the runner's state)."""
+        """The whole checkpoint as one plain state (model, optimiser, the runner's state).
+
+        Args:
+            path: the checkpoint.
+
+        Returns:
+            The state, with the model's under ``'model'`` and the optimiser's under
+            ``'optimizer'``.
+        """
         return load_torch_file(path)
 
     @classmethod
     def read_weights(cls, path: Path) -> dict[str, torch.Tensor]:
-        """The whole model's state, plain keys, read in this process with no group."""
+        """The whole model's state, plain keys, read in this process with no group.
+
+        Args:
+            path: the checkpoint.
+
+        Returns:
+            The weights by the plain model's keys.
+        """
         state = cls.read_state(path)
         return state.get("model", state)
 
     @classmethod
     def read_train_state(cls, path: Path) -> dict[str, Any]:
         """The runner's own state in the checkpoint (position, RNG states, the hooks' states),
-        read in this process with no group."""
+        read in this process with no group.
+
+        Args:
+            path: the checkpoint.
+
+        Returns:
+            Everything but the model's and the optimiser's state.
+        """
         state = cls.read_state(path)
         return {key: value for key, value in state.items() if key not in ("model", "optimizer")}
 
     @classmethod
     def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
         """The shape of every tensor of the model's state, from what the format records about
-        them (the tensors themselves are not read)."""
+        them (the tensors themselves are not read).
+
+        Args:
+            path: the checkpoint.
+
+        Returns:
+            Each tensor's shape, by the plain model's keys.
+        """
         state = load_mapped(path)
         model = state.get("model", state)
         return {key: tuple(value.shape) for key, value in model.items()
@@ -320,14 +559,25 @@ class Strategy(ABC):
 
     @classmethod
     def wraps(cls, model: Any) -> bool:
-        """Whether ``model`` is of one of this strategy's `WRAPPERS`; what
-        `trainrun.wrappers.is_model_wrapper` asks every registered strategy."""
+        """Whether ``model`` is of one of this strategy's ``WRAPPERS``; what
+        ``trainrun.wrappers.is_model_wrapper`` asks every registered strategy.
+
+        Args:
+            model: any object.
+
+        Returns:
+            True where its class (or a base) is one of ``WRAPPERS``.
+        """
         names = {c.__name__ for c in type(model).__mro__}
         return any(wrapper in names if isinstance(wrapper, str) else isinstance(model, wrapper)
                    for wrapper in cls.WRAPPERS)
 
     def teardown(self) -> None:
-        """Release what the strategy holds before the process group goes away."""
+        """Release what the strategy holds before the process group goes away.
+
+        Called by the runner's ``close``, on every rank; this default waits for background
+        checkpoint writes to end.
+        """
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None

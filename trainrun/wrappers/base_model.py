@@ -1,7 +1,7 @@
 """The model contract every strategy relies on.
 
-A model is an `nn.Module` whose ``forward(batch, mode)`` returns a dict of losses
-(``mode='loss'``) or predictions (``mode='predict'``). `BaseModel` turns that into the three
+A model is an ``nn.Module`` whose ``forward(batch, mode)`` returns a dict of losses
+(``mode='loss'``) or predictions (``mode='predict'``). ``BaseModel`` turns that into the three
 steps the runner calls, so a strategy's wrapper only has to run the same steps around its
 own forward.
 """
@@ -25,11 +25,21 @@ def _mean(value: Tensor) -> Tensor:
 def parse_losses(losses: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Sum the entries whose name contains 'loss' into the loss to optimise.
 
-    Returns that loss and the values to log (each entry's mean, plus ``loss``), still as
-    tensors: turning them into numbers would wait for the device at every step.
+    The values to log stay tensors: turning them into numbers would wait for the device at
+    every step. A floating-point scalar (the usual loss) is its own mean: it is used as it is,
+    which gives the same bits without the two extra operations and the extra backward node of
+    ``mean()``.
 
-    A floating-point scalar (the usual loss) is its own mean: it is used as it is, which gives
-    the same bits without the two extra operations and the extra backward node of ``mean()``.
+    Args:
+        losses: what ``forward(batch, mode='loss')`` returned: tensors by name.
+
+    Returns:
+        The loss to optimise (the sum of the means of the entries whose name contains
+        'loss') and the values to log: each entry's mean, detached, plus ``loss``, the sum.
+
+    Raises:
+        TypeError: ``losses`` is not a dict, or is empty.
+        ValueError: no entry's name contains 'loss'.
     """
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
@@ -55,7 +65,21 @@ def parse_losses(losses: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
 def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
               check: Callable[[Tensor], None] | None = None) -> dict[str, Tensor]:
     """Forward ``data`` through ``model`` in loss mode inside the optimiser's context, then
-    backward and (when the micro-steps are in) step. ``check`` sees the loss first."""
+    backward and (when the micro-steps are in) step. ``check`` sees the loss first.
+
+    This is ``BaseModel.train_step``, shared with the strategies' wrappers, which call it with
+    themselves as ``model`` so that the forward goes through their wrapping.
+
+    Args:
+        model: the module whose ``forward(data, mode='loss')`` returns a dict of losses.
+        data: the batch, on the model's device.
+        optim_wrapper: the runner's ``OptimWrapper`` or the strategy's own (its
+            ``optim_context`` and ``update_params``).
+        check: called with the loss before backward (DDP's unused-parameter check), or None.
+
+    Returns:
+        The values to log, as ``parse_losses`` gives them.
+    """
     with optim_wrapper.optim_context(model), phase("forward"):
         losses = model(data, mode="loss")
     loss, log_vars = parse_losses(losses)
@@ -66,18 +90,79 @@ def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
 
 
 class BaseModel(nn.Module):
-    """A model the runner can train, validate and test."""
+    """A model the runner can train, validate and test.
+
+    A subclass implements ``forward(batch, mode)``; the three steps the runner calls come
+    from it. ``batch`` is what the data loader gives, moved to the model's device: for a data
+    set whose items are dicts (the shipped ones), the collate makes it a dict of batched
+    tensors, e.g. ``{'inputs': float32[B, 64], 'labels': int64[B]}``.
+
+    A model that steps several optimisers itself (a GAN) overrides ``train_step`` instead;
+    its ``optim_wrapper`` is then a dict of wrappers by submodule.
+    """
 
     @abstractmethod
     def forward(self, batch: Any, mode: str = "loss") -> Any:
-        """``mode='loss'``: a dict of losses; ``mode='predict'``: one prediction per sample."""
+        """``mode='loss'``: a dict of losses; ``mode='predict'``: one prediction per sample.
+
+        Args:
+            batch: the batch, on the model's device (a dict of tensors from the collate).
+            mode: ``'loss'`` while training; ``'predict'`` in validation and testing (in eval
+                mode, without gradients, under autocast in the run's precision).
+
+        Returns:
+            With ``'loss'``, a dict of tensors by name. The entries whose name contains
+            'loss' are summed into the loss to optimise; every entry is logged (its mean),
+            and the sum as ``loss`` (averaged over ranks in ``metrics.jsonl``). With
+            ``'predict'``, what the metrics' ``process(batch, outputs)`` receives as
+            ``outputs``, one prediction per sample in the batch's order: class indices
+            (int64, shape ``[B]``) or class scores (``[B, classes]``) for ``Accuracy``, which
+            compares them with ``batch['labels']``; a number per sample (``[B]``) for
+            ``MeanOf``.
+
+        Raises:
+            ValueError: any other mode (the shipped models raise it; the runner passes only
+                these two).
+        """
 
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, Tensor]:
-        """One optimisation step (or micro-step, with gradient accumulation) on ``data``."""
+        """One optimisation step (or micro-step, with gradient accumulation) on ``data``.
+
+        The forward runs in ``optim_wrapper.optim_context`` (autocast, and no gradient sync
+        on micro-steps that do not step); the loss goes to ``optim_wrapper.update_params``.
+
+        Args:
+            data: the batch, on the model's device.
+            optim_wrapper: the runner's ``OptimWrapper`` (or the strategy's own).
+
+        Returns:
+            The values to log, each entry of the loss dict's mean (detached tensors) plus
+            ``loss``, their sum. The ``after_train_iter`` hooks get it as ``outputs``.
+
+        Raises:
+            TypeError: ``forward`` returned no dict of tensors (or an empty one).
+            ValueError: no entry's name contains 'loss'.
+        """
         return loss_step(self, data, optim_wrapper)
 
     def val_step(self, data: Any) -> Any:
+        """Predict ``data`` for validation: ``forward(data, mode='predict')``.
+
+        Args:
+            data: the batch, on the model's device.
+
+        Returns:
+            The predictions, which each validation metric's ``process`` receives.
+        """
         return self(data, mode="predict")
 
     def test_step(self, data: Any) -> Any:
+        """Predict ``data`` for testing: ``forward(data, mode='predict')``.
+
+        Args:
+            data: the batch, on the model's device.
+
+        Returns:
+            The predictions, which each test metric's ``process`` receives.
+        """
         return self(data, mode="predict")

@@ -48,7 +48,7 @@ def ddp_options(options: dict[str, Any]) -> dict[str, Any]:
 
     torch 2.13 deprecates ``broadcast_buffers`` (warning on every wrap): True becomes
     ``forward_sync_buffers=True``; False stays, as torch itself advises until it offers a way
-    to skip the buffer sync at construction (`quiet_buffer_warning` silences that case).
+    to skip the buffer sync at construction (``quiet_buffer_warning`` silences that case).
     """
     if _HAS_FORWARD_SYNC and options.get("broadcast_buffers") is True:
         options = {k: v for k, v in options.items() if k != "broadcast_buffers"}
@@ -67,9 +67,23 @@ def quiet_buffer_warning() -> Iterator[None]:
 class MMDistributedDataParallel(DistributedDataParallel):
     """torch's DDP with ``train_step``/``val_step``/``test_step``.
 
+    ``train_step(data, optim_wrapper)`` runs the forward in loss mode through DDP (so that
+    gradients are averaged over the ranks in backward) and returns the values to log, as
+    ``BaseModel.train_step`` does; ``val_step`` and ``test_step`` are the wrapped model's own,
+    without DDP. The user's model is ``.module``.
+
     With ``detect_anomalous_params`` every training step names, as an error in the log, the
     parameters that got no gradient (which make DDP hang or fail without
     ``find_unused_parameters``). It walks the autograd graph: use it to debug, not to train.
+
+    Args:
+        module: the user's model, already on its device.
+        detect_anomalous_params: name the parameters that got no gradient at every step.
+        **ddp_kwargs: torch's ``DistributedDataParallel`` arguments (``device_ids``,
+            ``output_device``, ``broadcast_buffers``, ``find_unused_parameters``,
+            ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ...);
+            ``broadcast_buffers=True`` becomes ``forward_sync_buffers=True`` where torch
+            deprecates the former.
     """
 
     def __init__(self, module: nn.Module, detect_anomalous_params: bool = False,
@@ -95,7 +109,25 @@ class MMDistributedDataParallel(DistributedDataParallel):
 
 
 class DDPStrategy(Strategy):
-    """Every rank holds the whole model; gradients are averaged in buckets during backward."""
+    """Every rank holds the whole model; gradients are averaged in buckets during backward.
+
+    ``strategy.type: ddp``. In a distributed job the model is wrapped in
+    ``MMDistributedDataParallel`` (with ``device_ids`` set to this rank's CUDA device);
+    in a single process it is used as it is. With ``compile`` on, the model is compiled
+    before the wrap. Checkpoints are one torch file from rank 0.
+
+    Args:
+        find_unused_parameters: let DDP find, every step, the parameters the loss does not
+            depend on (needed when some get no gradient; it costs a graph walk).
+        bucket_cap_mb: the size of DDP's gradient buckets, in megabytes.
+        broadcast_buffers: sync the buffers (batch-norm statistics) from rank 0 at every
+            forward.
+        gradient_as_bucket_view: make the gradients views into DDP's buckets, which saves a
+            copy of the gradients.
+        static_graph: tell DDP that the set of used parameters is the same at every step.
+        detect_anomalous_params: log the parameters that got no gradient at every step (to
+            debug, not to train).
+    """
 
     name = "ddp"
 

@@ -6,8 +6,8 @@ The DeepSpeed config is built from the run's own keys (per-rank batch size, ``op
 DeepSpeed keys. A setting given both ways with different values is refused, naming both places.
 
 The engine owns accumulation, clipping and precision, so ``train_step`` gets a
-`DeepSpeedOptimWrapper` (``engine.backward`` then ``engine.step``) instead of the runner's
-`OptimWrapper`. Checkpoints are DeepSpeed's own directories, written and read by every rank; one
+``DeepSpeedOptimWrapper`` (``engine.backward`` then ``engine.step``) instead of the runner's
+``OptimWrapper``. Checkpoints are DeepSpeed's own directories, written and read by every rank; one
 written by another number of processes is loaded through DeepSpeed's universal checkpoint.
 """
 
@@ -466,7 +466,19 @@ def _forget_stale_deepspeed_groups() -> None:
 
 
 class MMDeepSpeedEngineWrapper(nn.Module):
-    """A DeepSpeed engine with ``train_step``/``val_step``/``test_step`` and ``.module``."""
+    """A DeepSpeed engine with ``train_step``/``val_step``/``test_step`` and ``.module``.
+
+    ``train_step(data, optim_wrapper)`` runs the forward in loss mode through the engine and
+    hands the loss to the ``DeepSpeedOptimWrapper`` (the engine's backward and step); it
+    returns the values to log, as ``BaseModel.train_step`` does. ``val_step`` and
+    ``test_step`` are the user's model's own, without gradients, under autocast in
+    ``precision``. ``.module`` is the user's model inside the engine.
+
+    Args:
+        engine: the engine ``deepspeed.initialize`` returned.
+        precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``: the autocast of validation and
+            testing.
+    """
 
     def __init__(self, engine: nn.Module, precision: str = "fp32"):
         super().__init__()
@@ -496,7 +508,17 @@ class MMDeepSpeedEngineWrapper(nn.Module):
 
 class DeepSpeedOptimWrapper:
     """What ``train_step`` gets under DeepSpeed: the engine does backward (loss scaling and
-    division by the accumulation steps), accumulation, clipping and the optimiser step."""
+    division by the accumulation steps), accumulation, clipping and the optimiser step.
+
+    It has the ``OptimWrapper`` methods a ``train_step`` uses (``optim_context``,
+    ``update_params``) and those the runner uses (``set_total``, ``get_lr``,
+    ``state_dict``, ``grad_norm``).
+
+    Args:
+        engine: the DeepSpeed engine.
+        optimizer: the torch optimiser the engine steps.
+        precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``: the autocast around the forward.
+    """
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer, precision: str):
         self.engine = engine
@@ -577,6 +599,20 @@ class DeepSpeedStrategy(Strategy):
     """DeepSpeed's engine: ZeRO stage 0-3 sharding of optimiser state, gradients, parameters.
 
     Options left ``None`` are DeepSpeed's defaults (or what ``config`` says).
+
+    ``strategy.type: deepspeed``. The DeepSpeed config is built from the run's own keys
+    (per-rank batch size, ``optim.accumulate``, ``optim.clip_grad``, ``precision``) and these
+    options; a setting given both ways with different values is refused, naming both places.
+    It takes one optimiser (not ``optim.per_module``); ``compile`` works under ZeRO stages
+    0-2 only, and checkpoints are written synchronously (no ``checkpoint.async``).
+    Checkpoints are DeepSpeed's own directories, written and read by every rank.
+
+    Args:
+        zero_stage: the ZeRO stage, 0, 1, 2 or 3.
+        offload_optimizer: keep the optimiser state (and its step) on the CPU.
+        offload_param: keep the parameters on the CPU (ZeRO stage 3 only).
+        config: raw DeepSpeed config keys, added to what the run's keys give (not
+            ``optimizer`` or ``scheduler``: those come from ``optim`` and ``scheduler``).
     """
 
     name = "deepspeed"

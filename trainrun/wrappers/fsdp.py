@@ -1,10 +1,10 @@
-"""Strategy 'fsdp': fully sharded data parallel on PyTorch's `fully_shard` (FSDP2).
+"""Strategy 'fsdp': fully sharded data parallel on PyTorch's ``fully_shard`` (FSDP2).
 
 Every rank keeps only its shard of each parameter, gradient and optimiser state (DTensors);
-parameters are gathered around each shard unit's forward and backward. `fully_shard` trains
-on CPU with gloo as well as on CUDA with NCCL (the older `FullyShardedDataParallel` class
+parameters are gathered around each shard unit's forward and backward. ``fully_shard`` trains
+on CPU with gloo as well as on CUDA with NCCL (the older ``FullyShardedDataParallel`` class
 needs an accelerator). Checkpoints are directories written with
-`torch.distributed.checkpoint`, every rank its own shard, so they reshard: a checkpoint of 2
+``torch.distributed.checkpoint``, every rank its own shard, so they reshard: a checkpoint of 2
 ranks resumes on 3.
 """
 
@@ -193,17 +193,38 @@ def compile_units(model: nn.Module, units: list[nn.Module], options: dict[str, A
 
 
 class MMFullyShardedDataParallel(nn.Module):
-    """A model sharded with `fully_shard`, behind ``train_step``/``val_step``/``test_step``.
+    """A model sharded with ``fully_shard``, behind ``train_step``/``val_step``/``test_step``.
 
     ``module`` is the user's model, sharded in place (its parameters become DTensors, its
-    state dict keeps its keys). Arguments, from the config as plain strings and dicts:
-    ``sharding`` full | grad_op (no resharding after forward) | none (replicated) | hybrid
-    (sharded within groups of ``hybrid_shard_size`` ranks, replicated across them);
-    ``mixed_precision`` {param_dtype, reduce_dtype, output_dtype}; ``cpu_offload``;
-    ``wrap`` {classes, min_params}: the submodules that become their own shard units;
-    ``activation_checkpointing``: recompute those units' activations in backward;
-    ``compile``: `torch.compile` options (see `compile_module`) for each unit, or for the whole
-    model where no unit is named, before it is sharded (its hooks stay eager).
+    state dict keeps its keys). The arguments come from the config as plain strings and
+    dicts. ``train_step(data, optim_wrapper)`` runs the forward in loss mode through the
+    sharded model and returns the values to log, as ``BaseModel.train_step`` does;
+    ``val_step`` and ``test_step`` are the module's own; ``no_sync`` accumulates gradients
+    without reducing them (micro-steps that do not step). The user's model is ``.module``.
+
+    Args:
+        module: the user's model, on its device.
+        sharding: ``full`` | ``grad_op`` (no resharding after forward) | ``none``
+            (replicated) | ``hybrid`` (sharded within groups of ``hybrid_shard_size`` ranks,
+            replicated across them).
+        mixed_precision: ``{param_dtype, reduce_dtype, output_dtype}`` by dtype name (e.g.
+            ``bf16``); None: everything in the model's dtype.
+        cpu_offload: keep the parameters, gradients and optimiser state on the CPU.
+        wrap: ``{classes, min_params}``: the submodules that become their own shard units
+            (those of the classes named, or holding at least ``min_params`` parameters not
+            already in a unit); None: the whole model is one unit.
+        activation_checkpointing: recompute those units' activations in backward.
+        hybrid_shard_size: the ranks in each sharding group under ``hybrid`` (it must
+            divide the world size); None: a node's ranks.
+        device: the device of the mesh; None: that of the module's parameters.
+        compile: ``torch.compile`` options (see ``compile_module``) for each unit, or for the
+            whole model where no unit is named, before it is sharded (its hooks stay eager);
+            None: no compiling.
+
+    Raises:
+        ValueError: an unknown sharding, dtype name or wrap key, a class ``wrap`` names that
+            the model does not have, a ``hybrid_shard_size`` that does not divide the world
+            size, or ``activation_checkpointing`` without shard units.
     """
 
     def __init__(self, module: nn.Module, sharding: str = "full",
@@ -400,7 +421,27 @@ def _start_directory(path: str, extra: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the strategy
 
 class FSDPStrategy(Strategy):
-    """Parameters, gradients and optimiser state sharded over ranks (`fully_shard`)."""
+    """Parameters, gradients and optimiser state sharded over ranks (``fully_shard``).
+
+    ``strategy.type: fsdp``. In a distributed job the model is wrapped in
+    ``MMFullyShardedDataParallel``; in a single process it is not sharded. It takes one
+    optimiser over the whole model (not ``optim.per_module``). Checkpoints are
+    ``torch.distributed.checkpoint`` directories, every rank writing its own shard, so a
+    checkpoint resumes on another number of ranks.
+
+    Args:
+        sharding: ``full`` | ``grad_op`` (no resharding after forward) | ``none``
+            (replicated) | ``hybrid`` (sharded within groups of ``hybrid_shard_size`` ranks,
+            replicated across them).
+        mixed_precision: ``{param_dtype, reduce_dtype, output_dtype}`` by dtype name; None:
+            the model's dtype.
+        cpu_offload: keep the parameters, gradients and optimiser state on the CPU.
+        wrap: ``{classes, min_params}``: the submodules that become their own shard units.
+        activation_checkpointing: recompute the shard units' activations in backward (needs
+            ``wrap``).
+        hybrid_shard_size: the ranks in each sharding group under ``hybrid``; None: a
+            node's ranks.
+    """
 
     name = "fsdp"
     COMPILES = ("each shard unit strategy.wrap names (the whole model where it names none), "

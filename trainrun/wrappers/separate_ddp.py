@@ -26,8 +26,16 @@ class MMSeparateDistributedDataParallel(nn.Module):
     """Wraps every child of ``module`` that has trainable parameters in its own DDP.
 
     ``train_step`` is the module's own; the module's children are replaced in place, so its
-    code calling ``self.generator(...)`` goes through DDP. `plain_state_dict` gives the state
-    dict with the keys the unwrapped model has.
+    code calling ``self.generator(...)`` goes through DDP. ``plain_state_dict`` gives the state
+    dict with the keys the unwrapped model has. ``val_step`` and ``test_step`` are the
+    module's own too; ``no_sync`` turns off the gradient sync of every wrapped child.
+
+    Args:
+        module: the user's model (its own ``train_step`` steps each optimiser), already on
+            its device.
+        broadcast_buffers: each child's DDP syncs its buffers from rank 0 at every forward.
+        find_unused_parameters: each child's DDP finds the parameters that got no gradient.
+        **kwargs: further torch ``DistributedDataParallel`` arguments, for every child.
     """
 
     def __init__(self, module: nn.Module, broadcast_buffers: bool = False,
@@ -85,7 +93,20 @@ class MMSeparateDistributedDataParallel(nn.Module):
 
 
 class SeparateDDPStrategy(Strategy):
-    """One DDP per trainable submodule; the model's own train_step steps its optimisers."""
+    """One DDP per trainable submodule; the model's own train_step steps its optimisers.
+
+    ``strategy.type: separate_ddp``, for models with several optimisers (GANs, with
+    ``optim.per_module``): the optimisers are built over the plain model, which is then
+    wrapped in ``MMSeparateDistributedDataParallel`` in a distributed job (used as it is in
+    a single process). With ``compile`` on, each submodule with trainable parameters is
+    compiled before its DDP wrap. Checkpoints are one torch file with the plain model's keys.
+
+    Args:
+        broadcast_buffers: each submodule's DDP syncs its buffers from rank 0 at every
+            forward.
+        find_unused_parameters: each submodule's DDP finds the parameters that got no
+            gradient.
+    """
 
     name = "separate_ddp"
 

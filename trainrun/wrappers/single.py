@@ -14,7 +14,13 @@ log = logging.getLogger("trainrun")
 
 
 class SingleDeviceStrategy(Strategy):
-    """No wrapping and no gradient sync: each process trains its own copy."""
+    """No wrapping and no gradient sync: each process trains its own copy.
+
+    ``strategy.type: none``: the model is moved to the device (and compiled when ``compile``
+    is on) and used as it is. In a job of several processes each trains on its own, with a
+    warning (use ``ddp`` to average the gradients). It takes no options; checkpoints are one
+    torch file from rank 0.
+    """
 
     name = "none"
     COMPILES = "the model"

@@ -3,7 +3,7 @@
 After every validation during training the hook compares ``metric`` with the best value so
 far: better by more than ``min_delta`` (higher for rule 'greater', lower for 'less') is an
 improvement; a validation without one counts, and ``patience`` of them in a row stop the run
-after that validation's step (`Runner.request_stop`): the step's hooks run, a checkpoint of that
+after that validation's step (``Runner.request_stop``): the step's hooks run, a checkpoint of that
 step is written, and the run ends as a finished one (exit 0) with one line saying why. The
 value every rank decides on is rank 0's, so all of them stop after the same validation. Best
 value, its step and the count are in every checkpoint: a resumed run stops where the
@@ -33,6 +33,32 @@ RULES = ("greater", "less")
 
 
 class EarlyStoppingHook(Hook):
+    """Ends training once a validation metric has stopped improving.
+
+    Named ``EarlyStopping`` in a config's ``hooks``. After every validation during training,
+    a value better than the best so far by more than ``min_delta`` is an improvement; a
+    validation without one counts, and ``patience`` of them in a row stop the run after that
+    validation's step (``Runner.request_stop``): the step's hooks run, a checkpoint of that
+    step is written, and the run ends as a finished one (exit 0) with one line saying why.
+    Every rank decides on rank 0's value, so all of them stop after the same validation. The
+    best value, its step and the count are in every checkpoint: a resumed run stops where
+    the unbroken one does. A metric that validation does not produce turns early stopping off
+    with a warning (refused before the run starts where the metrics name what they compute).
+
+    Args:
+        metric: the validation metric to watch, as validation reports it (``accuracy``, or
+            ``val/<set>/<metric>`` for several validation sets).
+        rule: ``'greater'`` (higher is better) or ``'less'``; None: from the metric's name
+            (``'less'`` where it contains 'loss', else ``'greater'``).
+        patience: how many validations in a row without improvement stop the run (at
+            least 1).
+        min_delta: how much better than the best a value must be to count as an improvement
+            (at least 0).
+
+    Raises:
+        ConfigError: an option out of its range (the config's checks, for Python callers).
+    """
+
     priority = NORMAL  # see hooks/base.py for the order
     OPTIONS = {
         "metric": (REQUIRED, TEXT),
@@ -63,7 +89,15 @@ class EarlyStoppingHook(Hook):
 
     def check(self, runner: Any) -> None:
         """A run without validation, or whose metrics (where they say their names) lack
-        ``metric``, is refused before it starts."""
+        ``metric``, is refused before it starts.
+
+        Args:
+            runner: the built ``Runner``.
+
+        Raises:
+            ValueError: the run has no validation data, or its metrics' ``names`` lack
+                ``metric`` (the message suggests the closest).
+        """
         if getattr(runner, "val_dataloader", None) is None:
             raise ValueError(f"metric: {self.metric!r} is a validation metric, and this run "
                              f"has no validation (data.val is null)")
@@ -109,8 +143,18 @@ class EarlyStoppingHook(Hook):
                 f"validation{'s' if self.count != 1 else ''}")
 
     def state_dict(self) -> dict[str, Any]:
+        """The best value so far, its step and the validations since it.
+
+        Returns:
+            ``{'best': ..., 'best_step': ..., 'count': ...}``.
+        """
         return {"best": self.best, "best_step": self.best_step, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's best value and count.
+
+        Args:
+            state: what ``state_dict`` returned.
+        """
         self.best, self.best_step = state["best"], state["best_step"]
         self.count = state["count"]

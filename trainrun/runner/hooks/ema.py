@@ -11,7 +11,7 @@ momentum is the weight of the new value). For the first ``warmup`` updates the m
 least ``1 / (n + 1)`` at the n-th, so that the average starts as the plain mean of the weights
 seen so far and the untrained starting weights fade at once instead of over 1/momentum steps.
 
-The average is kept in fp32 and cut as the strategy cuts the parameters (`Strategy.param_shards`):
+The average is kept in fp32 and cut as the strategy cuts the parameters (``Strategy.param_shards``):
 under fsdp and ZeRO-3 each rank keeps the average of its own shard only. Buffers (batch-norm
 statistics) are the model's own. With ``evaluate`` (the default) validation and testing run on
 the average: it is swapped into the model before them, and the trained weights, kept aside,
@@ -39,6 +39,32 @@ def _momentum(key: str, value: Any) -> float:
 
 
 class EMAHook(Hook):
+    """Keeps an exponential moving average (EMA) of the model's weights beside the model.
+
+    Named ``EMA`` in a config's ``hooks``. Every ``interval`` training steps the average
+    moves towards the weights: ``average = (1 - momentum) * average + momentum * weights``.
+    It runs just before the validation slot: after the optimiser's step, and before
+    validation, which may use the average at once. The average is kept in fp32 and cut as
+    the strategy cuts the parameters (under fsdp and ZeRO-3 each rank keeps the average of its
+    own shard); buffers are the model's own. A checkpoint holds the whole average under the
+    plain model's names, so a resume on another number of ranks keeps it; testing a
+    checkpoint (``load_from``) uses its average.
+
+    Args:
+        momentum: the weight of the new value in each update (MMEngine's convention), in
+            (0, 1].
+        interval: update the average every this many training steps (at least 1).
+        warmup: for the first this many updates the momentum is at least ``1 / (n + 1)`` at
+            the n-th, so that the average starts as the plain mean of the weights seen so
+            far and the untrained starting weights fade at once instead of over 1/momentum
+            steps (0: no warm-up).
+        evaluate: validate and test on the average: it is swapped into the model before
+            them, and the trained weights, kept aside, back after (bit for bit).
+
+    Raises:
+        ConfigError: an option out of its range (the config's checks, for Python callers).
+    """
+
     # after the optimiser's step and before validation, which may use the average at once
     priority = VALIDATION - 1
     OPTIONS = {
@@ -136,7 +162,11 @@ class EMAHook(Hook):
     # ---------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """The update count and the whole average (gathered: every rank calls this)."""
+        """The update count and the whole average (gathered: every rank calls this).
+
+        Returns:
+            ``{'updates': ..., 'weights': {name: whole fp32 tensor on the CPU}}``.
+        """
         if self.average is None:
             return {"updates": self.updates, "weights": self._saved or {}}
         runner = self._runner
@@ -146,6 +176,11 @@ class EMAHook(Hook):
                             for name, tensor in whole.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's average; it is cut for this rank when training starts.
+
+        Args:
+            state: what ``state_dict`` returned.
+        """
         self.updates = state["updates"]
         self._saved = state["weights"]  # cut for this rank in before_train
         self.average = None

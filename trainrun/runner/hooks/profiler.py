@@ -33,6 +33,32 @@ def _ranks(key: str, value: Any) -> list[int]:
 
 
 class ProfilerHook(Hook):
+    """Traces training steps with ``torch.profiler`` on chosen ranks.
+
+    Named ``Profiler`` in a config's ``hooks``. From the first step this run trains, the
+    profiler skips ``wait`` steps, warms up for ``warmup`` and records ``active`` ones,
+    ``repeat`` times. Each recorded window is written as a Chrome trace under
+    ``<work_dir>/profile/rank<r>/``, which TensorBoard's profiler plugin and Perfetto open;
+    at the end of training rank 0 logs one line naming every trace written. It runs after
+    every other hook, so that a traced step holds its hooks. The profiler only observes: the
+    losses are those of a run without it.
+
+    Args:
+        wait: steps skipped before each window (at least 0).
+        warmup: steps the profiler warms up on, not recorded, before each window (at
+            least 0).
+        active: steps recorded in each window (at least 1).
+        repeat: how many windows to record (0: until training ends).
+        ranks: the ranks that trace (a non-empty list of ranks below the world size).
+        record_shapes: record the input shapes of each operator.
+        profile_memory: record the memory the tensors take.
+        with_stack: record the source file and line that called each operator (larger
+            traces).
+
+    Raises:
+        ConfigError: an option out of its range (the config's checks, for Python callers).
+    """
+
     priority = PROFILER  # after every other hook: a traced step holds its hooks
     OPTIONS = {
         "wait": (1, integer(0)),
@@ -61,6 +87,14 @@ class ProfilerHook(Hook):
         self.written: list[tuple[str, int, int]] = []  # (path, first step, last step)
 
     def check(self, runner: Any) -> None:
+        """Refuse ranks the job does not have.
+
+        Args:
+            runner: the built ``Runner``.
+
+        Raises:
+            ValueError: a rank in ``ranks`` is not below the world size.
+        """
         beyond = [r for r in self.ranks if r >= runner.world_size]
         if beyond:
             raise ValueError(f"ranks: got {self.ranks}, expected ranks below the world size "
@@ -93,7 +127,7 @@ class ProfilerHook(Hook):
 
     def _window(self, done: int) -> tuple[int, int]:
         """The first and last training step of the window written after ``done`` profiler
-        steps: a whole one from `step`, one cut short by the end from `_stop`."""
+        steps: a whole one from ``step``, one cut short by the end from ``_stop``."""
         o = self.options
         cycle = o["wait"] + o["warmup"] + o["active"]
         index = done if self._stopping else done - 1  # of a step in the window
