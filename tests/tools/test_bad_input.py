@@ -223,6 +223,34 @@ CASES = [
      ["data.val.type", "IterableDataset", "data.train only"]),
     (["--dry-run", "--cfg-options", "data.test.type=tests.tools.models.DigitsStream"],
      ["data.test.type", "IterableDataset"]),
+    # keys the model or data set class does not take, or an argument it needs (issue 22):
+    # refused by the dry run too, and by --nproc before any worker starts
+    (["--cfg-options", "data.train.batch_sise=8"],
+     ["error: unknown key 'data.train.batch_sise'; did you mean 'data.train.batch_size'?"]),
+    (["--dry-run", "--cfg-options", "data.train.batch_sise=8"],
+     ["error: unknown key 'data.train.batch_sise'; did you mean 'data.train.batch_size'?"]),
+    (["--dry-run", "--cfg-options", "model.hiden=64"],
+     ["error: unknown key 'model.hiden'; did you mean 'model.hidden'?"]),
+    (["--cfg-options", "model.hiden=64"],
+     ["error: unknown key 'model.hiden'; did you mean 'model.hidden'?"]),
+    (["--dry-run", "--cfg-options", "data.val.spilt=test"],
+     ["error: unknown key 'data.val.spilt'; did you mean 'data.val.split'?"]),
+    (["--dry-run", "--cfg-options", "data.train.type=tests.tools.newcomer.FolderDigits"],
+     ["error: data.train.root: missing; tests.tools.newcomer.FolderDigits needs it"]),
+    (["--nproc", "2", "--cfg-options", "data.train.batch_sise=8"],
+     ["error: unknown key 'data.train.batch_sise'; did you mean 'data.train.batch_size'?"]),
+    (["--nproc", "2", "--cfg-options", "data.train.batch_size=2000", "data.train.drop_last=true"],
+     ["data.train.batch_size", "2000", "629 per process on 2 processes"]),  # the dry run's
+    (["--nproc", "2", "--launcher", "slurm"],
+     ["error: --nproc: starts its workers with torchrun (--launcher pytorch), not with "
+      "--launcher slurm"]),
+    (["--nproc", "2", "--dry-run", "--world-size", "4"],
+     ["error: --world-size: got 4 with --nproc 2"]),
+    (["--nproc", "0"], ["--nproc", "'0'"]),
+    (["--cfg-options", "model.type=my_modl.Net"],
+     ["error: model.type: model type 'my_modl.Net': no module named 'my_modl' (type: paths are "
+      "imported from the working directory, ", "and PYTHONPATH; run trainrun from the "
+      "directory that holds my_modl.py, or add its directory to PYTHONPATH)"]),
     # missing or corrupt checkpoints and paths
     (["--resume", "{root}/missing.pth"], ["resume", "missing.pth"]),
     (["--resume", "{garbage}"], ["resume", "garbage.pth", "not a readable checkpoint"]),

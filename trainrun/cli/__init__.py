@@ -2,11 +2,14 @@
 SUBCOMMAND ...``, and the ``tools/*.py`` scripts, each of which runs one subcommand.
 
 Each subcommand is a module here with a ``main(argv) -> exit code``; the runner's core
-(`trainrun.runner`) knows nothing of command lines.
+(`trainrun.runner`) knows nothing of command lines. Every ``main`` first puts the working
+directory on sys.path (`import_from_working_directory`), so that however trainrun is started,
+a config's ``type:`` paths are imported from the working directory and PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -28,6 +31,23 @@ COMMANDS = {
 }
 
 
+def import_from_working_directory() -> None:
+    """Put the working directory first on sys.path, as ``python -m`` does.
+
+    The ``trainrun`` console script and the ``tools/*.py`` scripts would otherwise import
+    from their own directory, and a researcher's ``my_model.Net`` beside their config would
+    not be found; with this, one rule holds under every way of starting trainrun (torchrun's
+    workers inherit the working directory): ``type:`` paths are imported from the working
+    directory and PYTHONPATH.
+    """
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed: nothing to import from it
+        return
+    if sys.path[:1] not in ([cwd], [""]):  # "" is the working directory (python -c)
+        sys.path.insert(0, cwd)
+
+
 def prog(command: str, script: str) -> str:
     """The name a usage line gives: ``trainrun COMMAND`` in a process started as ``trainrun``
     or ``python -m trainrun``, else the tools/ script's (``train.py``)."""
@@ -36,10 +56,29 @@ def prog(command: str, script: str) -> str:
 
 
 def usage() -> str:
+    """``trainrun --help``: the subcommands, two examples and the page that says more."""
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
     return ("usage: trainrun SUBCOMMAND [ARGS ...]   (trainrun SUBCOMMAND --help for its own)\n"
-            "\nsubcommands:\n" + "\n".join(lines))
+            "\nsubcommands:\n" + "\n".join(lines) + "\n\n" + epilog(
+                "trainrun train configs/digits_single.yaml",
+                "trainrun train configs/digits_ddp.yaml --nproc 2",
+                docs="getting-started"))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The subcommands' help: description and epilog as written (the examples keep their
+    lines), options' help from column 32 so that most options take one line."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+def epilog(*examples: str, docs: str) -> str:
+    """A help text's ending: example command lines, and the docs page that says more
+    (``docs/<docs>.md``); an argparse epilog for `HelpFormatter`."""
+    return ("examples:\n" + "".join(f"  {example}\n" for example in examples)
+            + f"\ndocs: docs/{docs}.md")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from trainrun.cli import prog
+from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.dist.device import DTYPES
 from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.checkpoint import read_train_state, read_weights, resolve_checkpoint
@@ -40,9 +40,13 @@ class ExportError(ValueError):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog("export", "export.py"),
-                                description="Consolidate a checkpoint of any strategy into "
-                                "one plain state-dict file.")
+    p = argparse.ArgumentParser(
+        prog=prog("export", "export.py"),
+        description="Consolidate a checkpoint of any strategy into one plain state-dict file.",
+        formatter_class=HelpFormatter,
+        epilog=epilog("trainrun export work_dirs/digits_fsdp model.safetensors",
+                      "trainrun export work_dirs/digits_ddp/checkpoints/epoch_20.pth model.pt "
+                      "--dtype bf16", docs="checkpoints"))
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a checkpoint file or directory, or a work_dir (its newest checkpoint)")
     p.add_argument("out", metavar="OUT", help="the file to write")
@@ -133,6 +137,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tools/export.py``: returns the exit code (2: bad input, one line on stderr)."""
+    import_from_working_directory()
     command = parser()
     try:
         args = command.parse_args(argv)

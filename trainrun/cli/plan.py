@@ -267,4 +267,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainrun.cli import train  # train prints its --dry-run plan with this module
 
     args = list(sys.argv[1:] if argv is None else argv)
-    return train.main(args if "--dry-run" in args else [*args, "--dry-run"])
+    return train.main(args if "--dry-run" in args else [*args, "--dry-run"], command_name="plan")

@@ -5,6 +5,10 @@ argument, no traceback); 1 a failure while running (the traceback, then one line
 rank); 75 stopped by a preemption signal (``preemption.signals``) after writing a checkpoint
 (requeued under SLURM where allowed; otherwise resume with --resume); 130 interrupted
 (Ctrl-C). Nothing is written before the config is valid, and a dry run writes nothing.
+
+``--nproc N`` starts N workers on this machine (`trainrun.cli.launch`) once the config has
+passed every check of a dry run for N ranks, and ends with the exit code and the last line of
+the worker that failed first.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainrun.cli import prog
+from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
+from trainrun.cli.launch import launch_workers, leave_report
 from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
@@ -51,7 +57,9 @@ class Job:
     cfg: DictConfig
     warnings: list[str] = field(default_factory=list)
     dry_run: bool = False
-    world_size: int | None = None  # --world-size: the dry run plans for this many ranks
+    world_size: int | None = None  # --world-size (or --nproc): the dry run plans for this many
+    nproc: int | None = None  # --nproc: start this many workers here, each with worker_args
+    worker_args: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- parsers
@@ -59,34 +67,45 @@ class Job:
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launcher", choices=LAUNCHERS,
                         help="how the processes were started (wins over the config)")
-    parser.add_argument("--work-dir", metavar="DIR", help="the run directory (wins over the "
-                        "config's work_dir)")
+    parser.add_argument("--work-dir", metavar="DIR",
+                        help="the run directory (wins over the config's work_dir)")
     parser.add_argument("--cfg-options", nargs="+", action="extend", default=[],
-                        metavar="KEY=VALUE",
-                        help="dotlist overrides, e.g. optim.lr=0.01 strategy.type=ddp")
+                        metavar="K=V", help="overrides, e.g. optim.lr=0.01 strategy.type=ddp")
+    # torch.distributed.launch passes it; it fills LOCAL_RANK when unset
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
-                        help="set by torch.distributed.launch; fills LOCAL_RANK when unset")
+                        help=argparse.SUPPRESS)
 
 
-def train_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog("train", "train.py"),
-                                     description="Train from a YAML config.")
+TRAIN_EXAMPLES = ("trainrun train configs/digits_single.yaml",
+                  "trainrun train configs/digits_ddp.yaml --nproc 2 --cfg-options optim.lr=3e-3")
+PLAN_EXAMPLES = ("trainrun plan configs/digits_ddp.yaml --world-size 8",
+                 "trainrun plan configs/digits_ddp.yaml --cfg-options strategy.type=fsdp")
+
+
+def train_parser(command: str = "train") -> argparse.ArgumentParser:
+    """The command line of ``trainrun train`` (``command='plan'``: of ``trainrun plan``,
+    which is ``train --dry-run``)."""
+    plan = command == "plan"
+    description = ("Print what trainrun train would do with these arguments (train --dry-run):\n"
+                   "nothing runs, nothing is written." if plan else "Train from a YAML config.")
+    parser = argparse.ArgumentParser(
+        prog=prog(command, "train.py"), description=description,
+        formatter_class=HelpFormatter,
+        epilog=epilog(*(PLAN_EXAMPLES if plan else TRAIN_EXAMPLES), docs="cli"))
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     _add_common(parser)
     parser.add_argument("--resume", nargs="?", const=True, metavar="CKPT",
-                        help="resume from CKPT (a checkpoint, or a run directory: its newest), "
-                        "or from the newest checkpoint in work_dir")
+                        help="from CKPT (a checkpoint or run dir), else work_dir's newest")
     parser.add_argument("--force", action="store_true",
-                        help="with --resume: go on even where this config differs from the "
-                        "run's config.yaml in more than its length (config.yaml is then "
-                        "updated, the old one kept beside it)")
+                        help="with --resume: go on though the run's config.yaml differs")
     parser.add_argument("--amp", action="store_true",
                         help="mixed precision: bf16 (fp16 on a GPU without bf16)")
+    parser.add_argument("--nproc", type=_ranks, metavar="N",
+                        help="N processes here, started by torchrun (even N=1) after the checks")
     parser.add_argument("--dry-run", action="store_true",
-                        help="check the config, print the plan, train nothing, write nothing")
+                        help="check the config and print the plan; train and write nothing")
     parser.add_argument("--world-size", type=_ranks, metavar="N",
-                        help="with --dry-run: plan as if N ranks ran it (batch, iterations, "
-                        "memory per rank); no process is started")
+                        help="with --dry-run: plan for N ranks; start nothing")
     return parser
 
 
@@ -102,8 +121,13 @@ def _ranks(text: str) -> int:
 
 
 def test_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog("test", "test.py"),
-                                     description="Test a checkpoint on the config's test data.")
+    parser = argparse.ArgumentParser(
+        prog=prog("test", "test.py"), description="Test a checkpoint on the config's test data.",
+        formatter_class=HelpFormatter,
+        epilog=epilog("trainrun test configs/digits_single.yaml "
+                      "work_dirs/digits_single/checkpoints/epoch_20.pth",
+                      "torchrun --nproc_per_node 2 -m trainrun test configs/digits_ddp.yaml "
+                      "CKPT --launcher pytorch", docs="cli"))
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint to test")
     _add_common(parser)
@@ -207,14 +231,17 @@ def _check_resumed_config(cfg: DictConfig, force: bool) -> list[str]:
     raise ConfigError(f"resume: {what}; pass --force to resume anyway")
 
 
-def prepare_train(argv: Sequence[str] | None = None) -> Job:
+def prepare_train(argv: Sequence[str] | None = None, command: str = "train") -> Job:
     """Parse the train command line and load, override and validate the config.
 
     Raises SystemExit for argparse's usage errors and ConfigError for a bad config.
     """
-    args = train_parser().parse_args(argv)
+    args = train_parser(command).parse_args(argv)
     fill_local_rank(args.local_rank)
+    _check_nproc(args)
     values = _command_line_values(args)
+    if args.nproc is not None:
+        values["launcher"] = "pytorch"  # the workers': the config is checked as they run it
     if args.resume is not None:
         values["resume"] = args.resume
     if args.amp:
@@ -231,11 +258,49 @@ def prepare_train(argv: Sequence[str] | None = None) -> Job:
     if args.world_size is not None and not args.dry_run:
         raise ConfigError(f"--world-size: got {args.world_size}, which plans a dry run: pass "
                           f"--dry-run too (a run's world size is its launcher's)")
-    if not args.dry_run:
+    if not args.dry_run and args.nproc is None:
         _check_launcher(cfg)
+    if not args.dry_run:
         _check_backend(cfg)
     return Job(cfg, warnings + _launcher_warnings(cfg), dry_run=args.dry_run,
-               world_size=args.world_size)
+               world_size=args.nproc or args.world_size,
+               nproc=None if args.dry_run else args.nproc, worker_args=worker_args(args))
+
+
+def _check_nproc(args: argparse.Namespace) -> None:
+    """``--nproc`` with a flag that contradicts it is a command-line error."""
+    if args.nproc is None:
+        return
+    if args.launcher not in (None, "none", "pytorch"):
+        raise ConfigError(f"--nproc: starts its workers with torchrun (--launcher pytorch), "
+                          f"not with --launcher {args.launcher}: leave --launcher out, or "
+                          f"start the processes with {STARTERS[args.launcher]} instead")
+    if args.world_size is not None:
+        raise ConfigError(f"--world-size: got {args.world_size} with --nproc {args.nproc}, "
+                          f"which plans for its {args.nproc} ranks; give one of them")
+    started_by = infer_launcher()
+    if started_by != "none":
+        raise ConfigError(f"--nproc: this process is already one of {STARTERS[started_by]}'s "
+                          f"processes; leave --nproc out (--launcher {started_by})")
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The train command line of each worker ``--nproc`` starts: this one without --nproc
+    (and --local-rank), under ``--launcher pytorch``. Every option the train parser takes is
+    passed on here (tests/tools/test_nproc.py checks that none is left out)."""
+    out = [args.config, "--launcher", "pytorch"]
+    if args.work_dir is not None:
+        out += ["--work-dir", args.work_dir]
+    if args.resume is True:
+        out.append("--resume")
+    elif args.resume is not None:
+        out += ["--resume", args.resume]
+    out += ["--force"] * args.force + ["--amp"] * args.amp + ["--dry-run"] * args.dry_run
+    if args.world_size is not None:
+        out += ["--world-size", str(args.world_size)]
+    if args.cfg_options:
+        out += ["--cfg-options", *args.cfg_options]  # last: it takes every word that follows
+    return out
 
 
 def prepare_test(argv: Sequence[str] | None = None) -> Job:
@@ -272,8 +337,15 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _error_line(error: ConfigError) -> str:
+    return "error: " + " ".join(str(error).split("\n"))
+
+
 def _usage_error(error: ConfigError) -> int:
-    _say("error: " + " ".join(str(error).split("\n")))
+    """Say ``error`` in one line (and leave it for an ``--nproc`` starter); exit code 2."""
+    line = _error_line(error)
+    leave_report(EXIT_USAGE, line)
+    _say(line)
     return EXIT_USAGE
 
 
@@ -292,13 +364,48 @@ def _step(error: BaseException, runner: Any) -> int | None:
     return None
 
 
-def _report_failure(error: BaseException, cfg: DictConfig, runner: Any) -> int:
-    if getattr(runner, "failed_at_step", None) is None:  # else the runner logged it already
-        traceback.print_exception(error, file=sys.stderr)
+@dataclass
+class Ending:
+    """How a run ended: the exit code and the one line this process says last (None where
+    another rank says it). ``said``: the heartbeat has said it already; ``peer``: another
+    rank's failure stopped this one (that rank's own line names the cause)."""
+
+    code: int
+    line: str | None = None
+    said: bool = False
+    peer: bool = False
+
+
+def _ending(error: BaseException, cfg: DictConfig, runner: Any) -> Ending:
+    """The ending ``error`` makes of a run."""
+    first = _rank(cfg) == 0
+    if isinstance(error, ConfigError):  # every rank finds the same: rank 0 says it
+        return Ending(EXIT_USAGE, _error_line(error) if first else None)
+    if isinstance(error, Preempted):
+        return Ending(EXIT_PREEMPTED, f"preempted: {error}" if first else None)
+    if isinstance(error, KeyboardInterrupt):
+        return Ending(EXIT_INTERRUPTED, f"rank {_rank(cfg)}: interrupted")
+    if isinstance(error, PeerFailure):  # one line for the job, from one rank; no traceback
+        return Ending(EXIT_FAILED, f"error: {error}", said=error.said, peer=True)
     step = _step(error, runner)
     where = f"rank {_rank(cfg)}" + (f", step {step}" if step is not None else "")
-    _say(f"{where}: {type(error).__name__}: {first_line(error)}")
-    return EXIT_FAILED
+    return Ending(EXIT_FAILED, f"{where}: {type(error).__name__}: {first_line(error)}")
+
+
+def _leave(ending: Ending) -> None:
+    leave_report(ending.code, ending.line, ending.peer)
+
+
+def _end(ending: Ending, error: BaseException, runner: Any) -> int:
+    """Say how the run ended (a failure's traceback first, where the runner did not log
+    it); returns the exit code."""
+    _leave(ending)
+    if ending.code == EXIT_FAILED and not ending.peer and \
+            getattr(runner, "failed_at_step", None) is None:
+        traceback.print_exception(error, file=sys.stderr)
+    if ending.line and not ending.said:
+        _say(ending.line)
+    return ending.code
 
 
 def run(cfg: DictConfig, method: str) -> int:
@@ -308,24 +415,18 @@ def run(cfg: DictConfig, method: str) -> int:
         from trainrun.runner.runner import Runner
 
         with Runner.from_cfg(cfg) as runner:  # closed however it ends: see Runner.close
-            getattr(runner, method)()
-    except ConfigError as error:  # every rank finds the same: rank 0 says it
-        return _usage_error(error) if _rank(cfg) == 0 else EXIT_USAGE
-    except Preempted as stop:
-        if _rank(cfg) == 0:
-            _say(f"preempted: {stop}")
-        return EXIT_PREEMPTED
-    except KeyboardInterrupt:
-        _say(f"rank {_rank(cfg)}: interrupted")
-        return EXIT_INTERRUPTED
-    except PeerFailure as error:  # one line for the job, from one rank; no traceback
-        if not error.said:
-            _say(f"error: {error}")
-        return EXIT_FAILED
+            try:
+                getattr(runner, method)()
+            except BaseException as error:
+                # under --nproc torchrun ends this process once another rank has exited:
+                # leave the report now, before the run is closed
+                _leave(_ending(error, cfg, runner))
+                raise
     except SystemExit:
         raise
     except BaseException as error:  # checkpoint errors derive from BaseException
-        return _report_failure(error, cfg, runner)
+        return _end(_ending(error, cfg, runner), error, runner)
+    _leave(Ending(EXIT_OK))
     return EXIT_OK
 
 
@@ -348,50 +449,82 @@ def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
                       f"{first_line(error)}")
 
 
+@dataclass
+class Plan:
+    """What a dry run finds beyond the config checks: the train set's length (or why it is
+    unknown), the parameter groups, the memory per rank, and warnings about them."""
+
+    world_size: int
+    length: int | None
+    why: str | None
+    groups: Any
+    memory: Any
+    warnings: list[str]
+
+
+def make_plan(job: Job) -> Plan:
+    """The dry run's checks on the built parts: a training set that leaves no batch, and
+    options the model (built on the meta device) refuses, raise ConfigError, as the run
+    would refuse them."""
+    world_size = job.world_size or env_world_size(job.cfg.launcher)[0]
+    length, why = train_set_length(job.cfg)
+    if length is not None:
+        train = job.cfg.data.train
+        check_batches("data.train", length, world_size, train.batch_size, train.drop_last)
+    plain = OmegaConf.to_container(job.cfg, resolve=True)
+    model = build_meta_model(plain)  # once, for the groups and the memory plan
+    groups, warnings = plan_param_groups(plain, model)
+    memory = plan_memory(plain, world_size, model)
+    return Plan(world_size, length, why, groups, memory, warnings)
+
+
 def dry_run(job: Job) -> int:
     """Print the plan (rank 0 only); nothing is initialised or written. A training set that
     leaves no batch is refused (exit 2), as the run would refuse it."""
     if _rank(job.cfg) == 0:
-        world_size = job.world_size or env_world_size(job.cfg.launcher)[0]
-        length, why = train_set_length(job.cfg)
-        if length is not None:
-            train = job.cfg.data.train
-            try:
-                check_batches("data.train", length, world_size, train.batch_size,
-                              train.drop_last)
-            except ConfigError as error:
-                return _usage_error(error)
-        plain = OmegaConf.to_container(job.cfg, resolve=True)
         try:
-            model = build_meta_model(plain)  # once, for the groups and the memory plan
-            groups, warnings = plan_param_groups(plain, model)
-            memory = plan_memory(plain, world_size, model)
+            plan = make_plan(job)
         except ConfigError as error:
             return _usage_error(error)
-        for warning in warnings:
+        for warning in plan.warnings:
             _say(f"warning: {warning}")
-        print(describe_plan(job.cfg, world_size=job.world_size, dataset_length=length,
-                            param_groups=groups, memory=memory))
-        if why:
-            print(f"  (train set size unknown: {why})")
+        print(describe_plan(job.cfg, world_size=job.world_size, dataset_length=plan.length,
+                            param_groups=plan.groups, memory=plan.memory))
+        if plan.why:
+            print(f"  (train set size unknown: {plan.why})")
     return EXIT_OK
 
 
+def launch(job: Job, nproc: int) -> int:
+    """``--nproc``: refuse here what a dry run for ``nproc`` ranks refuses (exit 2, no worker
+    started), then start the workers; the workers' rank 0 says the config's warnings."""
+    try:
+        make_plan(job)
+    except ConfigError as error:
+        return _usage_error(error)
+    return launch_workers(nproc, job.worker_args)
+
+
 def command(prepare: Any, argv: Sequence[str] | None, method: str) -> int:
-    """Prepare the job from ``argv`` with ``prepare``, then dry-run it or call the runner's
-    ``method`` on it; returns the exit code."""
+    """Prepare the job from ``argv`` with ``prepare``, then dry-run it, start its workers
+    (--nproc) or call the runner's ``method`` on it; returns the exit code."""
+    import_from_working_directory()
     try:
         job = prepare(argv)
     except SystemExit as exit_:  # argparse: usage errors (2) and --help (0)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     except ConfigError as error:
         return _usage_error(error)
-    _report_warnings(job)
     if job.dry_run:
+        _report_warnings(job)
         return dry_run(job)
+    if job.nproc is not None:
+        return launch(job, job.nproc)
+    _report_warnings(job)
     return run(job.cfg, method)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``trainrun train``: returns the exit code."""
-    return command(prepare_train, argv, "train")
+def main(argv: Sequence[str] | None = None, command_name: str = "train") -> int:
+    """``trainrun train`` (``command_name='plan'``: ``trainrun plan``, which passes
+    --dry-run): returns the exit code."""
+    return command(partial(prepare_train, command=command_name), argv, "train")

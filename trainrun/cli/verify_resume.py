@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainrun.cli import TRAIN, prog
+from trainrun.cli import TRAIN, HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.processes import process_tree
 from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainrun.dist.launch import free_port
@@ -110,9 +110,13 @@ def _at_least(minimum: int) -> Any:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog("verify-resume", "verify_resume.py"),
-        description="Train S steps straight, then S/2 + SIGKILL + --resume to S, and check "
-                    "that the logged losses are bit-for-bit identical. schedule.max_iters, "
-                    "checkpoint.interval, logging and resume are set by this tool.")
+        description="Train S steps straight, then S/2 + SIGKILL + --resume to S, and check that\n"
+                    "the logged losses are bit-for-bit identical. schedule.max_iters,\n"
+                    "checkpoint.interval, logging and resume are set by this tool.",
+        formatter_class=HelpFormatter,
+        epilog=epilog("trainrun verify-resume configs/digits_single.yaml",
+                      "trainrun verify-resume configs/digits_ddp.yaml --nproc 2 "
+                      "--cfg-options strategy.type=fsdp", docs="checkpoints"))
     p.add_argument("config", metavar="CONFIG", help="the YAML config")
     p.add_argument("--nproc", type=_at_least(1), default=1, metavar="N",
                    help="processes per run: 1 runs trainrun train with --launcher none, more "
@@ -567,6 +571,7 @@ def _report_failure(error: RunFailed, keep: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``tools/verify_resume.py``: returns the exit code."""
+    import_from_working_directory()
     try:
         plan = make_plan(argv)
         root, temporary = run_root(plan)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import sys
 from typing import Any
 
 from trainrun.dist.text import closest
@@ -83,6 +85,8 @@ def resolve(kind: str, name: str) -> Any:
     if "." in name or ":" in name:
         try:
             return import_target(name, kind)
+        except MissingModule:
+            raise  # its hint says where modules are looked for; the registry is beside it
         except ValueError as error:
             sep = " " if str(error).endswith("?") else ". "
             raise ValueError(f"{error}{sep}{_registered(kind, registry)}") from None
@@ -93,6 +97,10 @@ def resolve(kind: str, name: str) -> Any:
                      f"import path, e.g. 'my_project.module.ClassName'")
 
 
+class MissingModule(ValueError):
+    """A ``type:`` import path whose module (or one of its parent packages) cannot be found."""
+
+
 def _entry(entry: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """A registry entry as (target, default options)."""
     return (entry, {}) if isinstance(entry, str) else entry
@@ -101,11 +109,12 @@ def _entry(entry: str | tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]
 def import_target(path: str, kind: str = "object", shown: str | None = None) -> Any:
     """The object at ``pkg.module:attr`` (or ``pkg.module.attr``), imported now.
 
-    A module that is missing, or an attribute the module lacks, is a ValueError naming
-    ``kind`` and ``path``; so is a module that needs a package of an optional extra
-    (`EXTRAS`) that is not installed, the error naming the extra to install and ``shown``
-    (the name the config wrote; default ``path``). Any other import error raised inside an
-    existing module is passed on unchanged, since that is the module's own fault.
+    A module that is missing (``MissingModule``, which says where modules are looked for), or
+    an attribute the module lacks, is a ValueError naming ``kind`` and ``path``; so is a
+    module that needs a package of an optional extra (`EXTRAS`) that is not installed, the
+    error naming the extra to install and ``shown`` (the name the config wrote; default
+    ``path``). Any other import error raised inside an existing module is passed on
+    unchanged, since that is the module's own fault.
     """
     module_name, sep, attribute = path.partition(":")
     if not sep:
@@ -121,7 +130,8 @@ def import_target(path: str, kind: str = "object", shown: str | None = None) -> 
                              f"installed: pip install 'trainrun[{EXTRAS[package]}]'") from None
         if error.name is None or not _is_prefix(error.name, module_name):
             raise
-        raise ValueError(f"{kind} type {path!r}: no module named {error.name!r}") from None
+        raise MissingModule(f"{kind} type {path!r}: no module named {error.name!r}"
+                            f"{_where_modules_are(error.name, module_name)}") from None
     found: Any = module
     for part in attribute.split("."):
         if not hasattr(found, part):
@@ -138,9 +148,28 @@ def _is_prefix(missing: str, module_name: str) -> bool:
     return module_name == missing or module_name.startswith(missing + ".")
 
 
+def _where_modules_are(missing: str, module_name: str) -> str:
+    """A hint, for a top-level module that cannot be found, on where ``type:`` paths are
+    imported from (the command lines put the working directory first on sys.path, as
+    ``python -m`` does); nothing for a submodule of a package that was found."""
+    if "." in missing:
+        return ""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was removed
+        return ""
+    holder = f"{missing}.py" if missing == module_name else f"{missing}/"
+    if any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path):
+        return (f" (type: paths are imported from the working directory, {cwd}, and "
+                f"PYTHONPATH; run trainrun from the directory that holds {holder}, or add "
+                f"its directory to PYTHONPATH)")
+    return (f" (type: paths are imported from sys.path, which does not hold the working "
+            f"directory, {cwd}, here; add the directory that holds {holder} to PYTHONPATH)")
+
+
 def _registered(kind: str, registry: dict[str, Any]) -> str:
     return f"Registered {kind}s: {', '.join(sorted(registry))}"
 
 
 __all__ = ["COLLATES", "DATASETS", "EXTRAS", "HOOKS", "METRICS", "MODELS", "REGISTRIES",
-           "import_target", "resolve"]
+           "MissingModule", "import_target", "resolve"]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -54,6 +55,7 @@ from trainrun.runner.schema import (
     nullable,
     rule,
     section,
+    unknown_key,
 )
 from trainrun.runner.seed import seed_worker
 from trainrun.wrappers import STRATEGIES
@@ -75,14 +77,17 @@ def _split(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return options.pop("type"), options
 
 
-def construct(key: str, kind: str, name: str, options: Mapping[str, Any]) -> Any:
+def construct(key: str, kind: str, name: str, options: Mapping[str, Any],
+              also_known: Sequence[str] = ()) -> Any:
     """The ``kind`` (model, dataset, ...) called ``name``, built with ``options``. What the
-    config got wrong is a ConfigError naming ``key``: an unknown type, arguments the class
-    does not take, or values its constructor refuses (a ValueError)."""
+    config got wrong is a ConfigError naming ``key``: an unknown type, a key the class does
+    not take (with the closest one it, or the section's ``also_known`` keys, does), a
+    required argument missing, or values its constructor refuses (a ValueError)."""
     try:
         target = resolve(kind, name)
     except ValueError as error:
         raise ConfigError(f"{key}.type: {error}") from None
+    check_arguments(key, name, target, options, also_known)
     mismatch = call_mismatch(target, **options)
     if mismatch is not None:
         raise ConfigError(f"{key}: {name} does not take these arguments: {mismatch}")
@@ -90,6 +95,42 @@ def construct(key: str, kind: str, name: str, options: Mapping[str, Any]) -> Any
         return target(**options)
     except ValueError as error:
         raise ConfigError(f"{key}: {name} refused its arguments: {first_line(error)}") from None
+
+
+def check_arguments(key: str, name: str, target: Any, options: Mapping[str, Any],
+                    also_known: Sequence[str] = ()) -> None:
+    """Check the keys of the config section ``key`` that go to ``target`` (``options``)
+    against its signature, before it is called: a key it does not take is a ConfigError
+    naming it, with the closest of its arguments and of the section's other keys
+    (``also_known``, e.g. a data section's loader options) as a "did you mean"; a required
+    argument that ``options`` lack is one naming it. A target that takes ``**kwargs`` passes
+    any key on, so only what it requires is checked; one whose signature cannot be read is
+    left to its call.
+
+    Args:
+        key: the section's dotted key (``model``, ``data.train``), for messages.
+        name: the section's ``type`` as the config wrote it, for messages.
+        target: the class (or function) ``name`` stands for.
+        options: the section's keys that are passed to ``target``.
+        also_known: the section's other keys, offered as suggestions too.
+
+    Raises:
+        ConfigError: a key ``target`` does not take, or a required argument missing.
+    """
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin or extension type: its call will tell
+        return
+    by_keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        taken = {p.name for p in by_keyword}
+        for option in options:
+            if option not in taken:
+                raise unknown_key(key, option, [*also_known, *(p.name for p in by_keyword)])
+    for param in by_keyword:
+        if param.default is param.empty and param.name not in options:
+            raise ConfigError(f"{join(key, param.name)}: missing; {name} needs it (an "
+                              f"argument without a default)")
 
 
 def build_model(cfg: Mapping[str, Any]) -> nn.Module:
@@ -112,7 +153,8 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     name, options = _split(cfg)
     loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
     options.pop("metrics", None)
-    dataset = construct(key, "dataset", name, options)
+    section_keys = ("type", *LOADER_OPTIONS, *(() if train else ("metrics",)))
+    dataset = construct(key, "dataset", name, options, also_known=section_keys)
     if isinstance(dataset, IterableDataset):
         return _stream_loader(dataset, key, name, train, loader)
     shuffle = loader.pop("shuffle", train)
@@ -189,14 +231,21 @@ def build_metrics(cfg: Mapping[str, Any] | None, dataset: Any,
 
 def check_types(cfg: Mapping[str, Any]) -> None:
     """Import every class the config names (model, data sets, metrics) without building any,
-    so that a misspelt or missing one is a ConfigError naming its key before anything runs."""
-    _resolved("model.type", "model", cfg["model"]["type"])
+    and check the keys each is given against its signature (`check_arguments`), so that a
+    misspelt or missing class, a key it does not take, or an argument it needs is a
+    ConfigError naming its key before anything runs (the dry run included)."""
+    model_name, model_options = _split(cfg["model"])
+    model = _resolved("model.type", "model", model_name)
+    check_arguments("model", model_name, model, model_options)
     for key, loader in data_sections(cfg.get("data") or {}):
         dataset = _resolved(f"{key}.type", "dataset", loader["type"])
         check_stream_class(key, dataset, cfg.get("schedule") or {})
         collate_function(f"{key}.collate_fn", loader.get("collate_fn"))
         for name in loader.get("metrics") or []:
             _resolved(f"{key}.metrics", "metric", name)
+        table = loader_table(key.split(".")[1])  # the section's own keys; the rest go to it
+        check_arguments(key, loader["type"], dataset,
+                        {k: v for k, v in loader.items() if k not in table}, also_known=table)
 
 
 STREAM_ONLY_TRAIN = ("streams are read for data.train only: validation and test score every "

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainrun.cli import prog
+from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.sweep.grid import (
     Sweep,
     SweepError,
@@ -80,31 +80,31 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog("sweep", "sweep.py"),
         description="Train every point of a hyper-parameter grid (one after another, or as a "
-        "SLURM job array) and summarise them.")
+        "SLURM job array)\nand summarise them.", formatter_class=HelpFormatter,
+        epilog=epilog("trainrun sweep configs/digits_single.yaml --grid optim.lr=1e-3,3e-3 "
+                      "model.hidden=64,128",
+                      "trainrun sweep configs/digits_ddp.yaml --grid optim.lr=1e-3,3e-3 "
+                      "--nproc 2", docs="sweeps"))
     p.add_argument("config", metavar="CONFIG", help="the YAML config")
-    p.add_argument("--grid", nargs="+", action="extend", required=True, metavar="KEY=V1,V2",
-                   help="a dotted key and its comma-separated values (YAML), e.g. "
-                        "optim.lr=1e-3,3e-3 model.hidden=64,128")
-    p.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+    p.add_argument("--grid", nargs="+", action="extend", required=True, metavar="K=V1,V2",
+                   help="a key and its comma-separated values, e.g. optim.lr=1e-3,3e-3")
+    p.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="K=V",
                    help="overrides for every point, e.g. schedule.max_epochs=5")
     p.add_argument("--work-dir", metavar="DIR",
                    help="the sweep directory (default work_dirs/<config name>-sweep)")
     p.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                   help="local: one point after another here (default); slurm: one job array")
+                   help="local: one point after another here; slurm: one job array")
     p.add_argument("--nproc", type=int, metavar="N",
-                   help="processes per point: torchrun --nproc_per_node N locally, srun tasks "
-                        "on SLURM (default: one plain process locally, 1 task on SLURM)")
+                   help="processes per point: torchrun here, srun tasks on SLURM (default 1)")
     p.add_argument("--sbatch-args", default="", metavar="'ARGS'",
-                   help="more sbatch options for the job array, as one string, e.g. "
-                        "--sbatch-args='--partition=gpu --gpus-per-task=1 --time=60'")
+                   help="more sbatch options, as one string: '--partition=gpu --time=60'")
     p.add_argument("--wait", action="store_true",
-                   help="with --launcher slurm: wait for the job array, then write the summary")
+                   help="with --launcher slurm: wait for the array, then summarise")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--summary-only", action="store_true",
-                      help="train nothing; write the summary of what the points hold now")
+                      help="train nothing; summarise what the points hold now")
     what.add_argument("--dry-run", action="store_true",
-                      help="check every point and print the points and their commands; "
-                           "write nothing")
+                      help="check every point, print them and their commands; write nothing")
     return p
 
 
@@ -127,11 +127,15 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def load_checked(config: str, overrides: list[str], values: dict[str, Any],
                  warnings: list[str], where: str = "") -> Any:
-    """The config validated as ``trainrun train`` would; a ConfigError becomes a SweepError."""
+    """The config validated as ``trainrun train`` would (the classes it names imported and
+    their keys checked too); a ConfigError becomes a SweepError."""
+    from trainrun.runner.builder import check_types
     from trainrun.runner.config import ConfigError, load_config
 
     try:
-        return load_config(config, overrides, values=values, on_warning=warnings.append)
+        cfg = load_config(config, overrides, values=values, on_warning=warnings.append)
+        check_types(cfg)
+        return cfg
     except ConfigError as error:
         message = " ".join(str(error).split("\n"))
         raise SweepError(f"{where}{message}") from None
@@ -192,6 +196,7 @@ def run(sweep: Sweep, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``trainrun sweep`` (``tools/sweep.py``): returns the exit code."""
+    import_from_working_directory()
     try:
         args = parser().parse_args(argv)
     except SystemExit as exit_:  # argparse: usage errors (2) and --help (0)
