@@ -83,6 +83,12 @@ class DigitsDataset(Dataset):
     every rank and every rerun sees the same images in each split. By default the test split
     is the validation split (the set is small; a separate one would cost training images);
     ``test_fraction > 0`` carves a separate test split instead.
+
+    Args:
+        split: which split: train, val or test.
+        val_fraction: the share of the images in the validation split.
+        split_seed: the seed of the permutation that deals the images to the splits.
+        test_fraction: the share in a test split of its own (0: test is the val split).
     """
 
     DEFAULT_METRICS: ClassVar[list[str]] = ["accuracy"]
@@ -106,7 +112,13 @@ class DigitsMLP(BaseModel):
     """A one-hidden-layer classifier of the 64 pixels.
 
     ``mode='loss'``: ``{'loss': cross-entropy}``; ``mode='predict'``: the predicted class of
-    each sample (int64, one per sample), which `Accuracy` compares with ``batch['labels']``.
+    each sample (int64, one per sample), which ``Accuracy`` compares with
+    ``batch['labels']``.
+
+    Args:
+        hidden: the width of each hidden layer.
+        dropout: the dropout probability after each hidden layer.
+        num_layers: how many hidden layers.
     """
 
     def __init__(self, hidden: int = 256, dropout: float = 0.1, num_layers: int = 1):

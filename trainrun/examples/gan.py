@@ -38,6 +38,15 @@ class GaussianMixture(Dataset):
     every evaluation; ``ToyGAN.train_step`` draws fresh noise instead. Each split is drawn
     from its own stream, fixed by ``seed`` and the split's name, so the splits never share
     points and changing one split's ``size`` leaves the others as they were.
+
+    Args:
+        split: which split: train, val or test.
+        size: how many points (null: 8192 for train, 1024 for val and test).
+        num_modes: how many Gaussians on the ring.
+        radius: the ring's radius.
+        std: each Gaussian's standard deviation.
+        latent_dim: the width of each point's fixed noise vector.
+        seed: the seed the splits' points are drawn from.
     """
 
     DEFAULT_METRICS: ClassVar[list[str]] = ["mode_distance"]
@@ -91,6 +100,13 @@ class ToyGAN(BaseModel):
     Losses are the non-saturating ones: the discriminator learns real -> 1, generated -> 0;
     the generator learns to make the discriminator say 1. ``num_modes`` and ``radius`` name
     the data's mode centres, which validation measures against (match the data set's).
+
+    Args:
+        latent_dim: the width of the generator's noise input.
+        hidden: the width of both networks' hidden layers.
+        depth: the number of layers of each network.
+        num_modes: the data's number of modes (as the data set's).
+        radius: the data's ring radius (as the data set's).
     """
 
     def __init__(self, latent_dim: int = 2, hidden: int = 128, depth: int = 3,

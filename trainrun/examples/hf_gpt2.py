@@ -28,8 +28,16 @@ class HFGPT2(BaseModel):
     when `pad_sequences` padded them, ``'inputs_mask'`` (True at real positions): it is the
     attention mask, and padded positions are left out of the loss. ``mode='loss'``: ``{'loss':
     mean cross-entropy over the batch's real tokens}``; ``mode='predict'``: each sample's mean
-    loss over its real tokens, which `MeanOf('val_loss')` averages. The GPT-2 module is
+    loss over its real tokens, which ``MeanOf('val_loss')`` averages. The GPT-2 module is
     ``self.model``, so the state dict's keys are GPT-2's own behind ``model.``.
+
+    Args:
+        vocab_size: the number of token ids.
+        block_size: the longest sequence (GPT-2's n_positions).
+        n_layer: the number of GPT-2 blocks.
+        n_head: attention heads per block (n_embd must be a multiple of it).
+        n_embd: the width of the embeddings.
+        dropout: GPT-2's residual, embedding and attention dropout, in [0, 1).
     """
 
     def __init__(self, vocab_size: int = VOCAB_SIZE, block_size: int = 64, n_layer: int = 2,

@@ -87,6 +87,13 @@ class CharCorpus(Dataset):
     ``val_fraction`` is the validation split (the test split is the same text), so no block of
     one split overlaps the other. Blocks start every ``stride`` characters (``block_size``
     when not given: non-overlapping).
+
+    Args:
+        split: which split: train, val or test (test is the val text).
+        block_size: the characters in a block.
+        stride: characters between the starts of two blocks (null: block_size).
+        val_fraction: the share of the text, at its end, in the validation split.
+        files: text files to read instead of Python's standard-library sources.
     """
 
     DEFAULT_METRICS: ClassVar[list[str]] = ["val_loss"]
@@ -148,6 +155,13 @@ class CharLines(CharCorpus):
     padding collate (``collate_fn: pad_sequences``). The pieces cover the split's text once,
     in order; which pieces a step sees is the sampler's business, so a resumed run sees the
     same ones.
+
+    Args:
+        split: which split: train, val or test (test is the val text).
+        block_size: the longest piece, in characters.
+        min_length: the shortest piece, in characters.
+        val_fraction: the share of the text, at its end, in the validation split.
+        files: text files to read instead of Python's standard-library sources.
     """
 
     def __init__(self, split: str = "train", block_size: int = 64, min_length: int = 16,
@@ -210,8 +224,16 @@ class TinyLM(BaseModel):
     """A small GPT-style language model over `CharCorpus` ids.
 
     ``mode='loss'``: ``{'loss': mean next-token cross-entropy}``; ``mode='predict'``: each
-    sample's mean token loss (float, one per sample), which `MeanOf('val_loss')` averages.
-    ``tie_weights`` shares the token embedding with the output layer.
+    sample's mean token loss (float, one per sample), which ``MeanOf('val_loss')`` averages.
+
+    Args:
+        vocab_size: the number of token ids.
+        block_size: the longest sequence, in tokens.
+        n_layer: the number of transformer blocks.
+        n_head: attention heads per block (n_embd must be a multiple of it).
+        n_embd: the width of the embeddings.
+        dropout: the dropout probability.
+        tie_weights: share the token embedding with the output layer.
     """
 
     def __init__(self, vocab_size: int = VOCAB_SIZE, block_size: int = 64, n_layer: int = 2,

@@ -516,18 +516,27 @@ COLLATE = expects(COLLATE_EXPECTED, check_collate)
 
 def loader_table(split: str) -> Fields:
     table: Fields = {
-        "type": (REQUIRED, TYPE_NAME),
-        "batch_size": (DEFAULT_BATCH_SIZE, integer(1)),
-        "num_workers": (0, integer(0)),
-        "shuffle": (split == "train", BOOL),
-        "drop_last": (False, BOOL),
-        "pin_memory": (False, BOOL),
-        "persistent_workers": (False, BOOL),
+        "type": (REQUIRED, TYPE_NAME,
+                 "the data set's class: a built-in name (digits, char_corpus, char_lines, "
+                 "gaussian_mixture) or my_module.MyDataset"),
+        "batch_size": (DEFAULT_BATCH_SIZE, integer(1), "samples per batch, on each rank"),
+        "num_workers": (0, integer(0),
+                        "DataLoader worker processes (0: load in the training process)"),
+        "shuffle": (split == "train", BOOL,
+                    "a new order every epoch, the same on every rank (from the run's seed)"),
+        "drop_last": (False, BOOL, "drop each epoch's last, smaller batch (training only)"),
+        "pin_memory": (False, BOOL, "page-locked batches, for faster copies to a GPU"),
+        "persistent_workers": (False, BOOL,
+                               "keep the workers alive between epochs (needs num_workers > 0)"),
         # absent unless given: the configs of runs made before it say the same when resumed
-        "collate_fn": (OPTIONAL, nullable(COLLATE)),
+        "collate_fn": (OPTIONAL, nullable(COLLATE),
+                       "how samples become a batch: default, pad_sequences, a function by "
+                       "import path, or {type: ..., options} (default: torch's collate)"),
     }
     if split != "train":
-        table["metrics"] = (None, nullable(names(TEXT)))
+        table["metrics"] = (None, nullable(names(TEXT)),
+                            "what to score: accuracy, mean, val_loss, mode_distance or a metric "
+                            "by import path (default: the data set's DEFAULT_METRICS)")
     return table
 
 

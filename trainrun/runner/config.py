@@ -44,6 +44,7 @@ from trainrun.runner.schema import (
     bad_value,
     choice,
     existing_path,
+    expects,
     fields,
     join,
     nullable,
@@ -87,11 +88,18 @@ def check_resume(key: str, value: Any) -> bool | str:
     return existing_path(key, value)
 
 
+check_resume.expected = "false, true or a checkpoint path"  # type: ignore[attr-defined]
+
+
 COMPILE: Fields = {
-    "backend": (COMPILE_DEFAULTS["backend"], choice(*COMPILE_BACKENDS)),
-    "mode": (COMPILE_DEFAULTS["mode"], choice(*COMPILE_MODES)),
-    "fullgraph": (COMPILE_DEFAULTS["fullgraph"], BOOL),
-    "dynamic": (COMPILE_DEFAULTS["dynamic"], nullable(BOOL)),
+    "backend": (COMPILE_DEFAULTS["backend"], choice(*COMPILE_BACKENDS),
+                "torch.compile's backend: inductor generates code; aot_eager and eager only "
+                "check that the model compiles"),
+    "mode": (COMPILE_DEFAULTS["mode"], choice(*COMPILE_MODES), "inductor's mode"),
+    "fullgraph": (COMPILE_DEFAULTS["fullgraph"], BOOL,
+                  "a graph break is an error instead of two graphs"),
+    "dynamic": (COMPILE_DEFAULTS["dynamic"], nullable(BOOL),
+                "dynamic shapes: null lets torch decide (dynamic after a shape changes)"),
 }
 
 
@@ -117,26 +125,51 @@ check_compile.expected = "false, true or a mapping"  # type: ignore[attr-defined
 def top_level(mode: str, warnings: list[str]) -> Fields:
     """The table of the whole config (``work_dir``'s default is filled from ``name``)."""
     return {
-        "name": (REQUIRED, TEXT),
-        "work_dir": (None, nullable(TEXT)),
-        "launcher": ("none", choice(*LAUNCHERS)),
-        "backend": ("auto", choice(*launch.BACKENDS)),
-        "dist_timeout": (DEFAULT_DIST_TIMEOUT, number(above=0)),
-        "strategy": (None, partial(check_strategy, warnings=warnings)),
-        "model": (REQUIRED, MODEL),
-        "data": (REQUIRED, partial(check_data, mode=mode, warnings=warnings)),
-        "optim": (None, check_optim_section),
-        "scheduler": (None, lambda key, value: check_scheduler(value, key)),
-        "precision": ("fp32", choice(*PRECISIONS)),
-        "compile": (False, check_compile),
-        "schedule": (None, check_schedule),
-        "randomness": (None, RANDOMNESS),
-        "logging": (None, partial(check_logging, warnings=warnings)),
-        "checkpoint": (None, partial(check_checkpoint, warnings=warnings)),
-        "preemption": (None, PREEMPTION),
-        "hooks": ([], partial(check_hooks, warnings=warnings)),
-        "resume": (False, check_resume),
-        "load_from": (None, nullable(existing_path)),
+        "name": (REQUIRED, TEXT,
+                 "the run's name (default: the config file's name without .yaml)"),
+        "work_dir": (None, nullable(TEXT),
+                     "the run directory (default: work_dirs/<name>); --work-dir wins"),
+        "launcher": ("none", choice(*LAUNCHERS),
+                     "how the processes were started: none (one plain process), pytorch "
+                     "(torchrun), slurm (srun), mpi (mpirun); --launcher wins"),
+        "backend": ("auto", choice(*launch.BACKENDS),
+                    "the communication backend (auto: nccl with CUDA, else gloo)"),
+        "dist_timeout": (DEFAULT_DIST_TIMEOUT, number(above=0),
+                         "seconds any collective, and a silent rank, may take before the job "
+                         "ends naming it"),
+        "strategy": (None, expects("a strategy's name, or a mapping with its type and options",
+                                   partial(check_strategy, warnings=warnings)),
+                     "how the model is spread over the ranks (see strategy below)"),
+        "model": (REQUIRED, MODEL, "the model: its type and arguments"),
+        "data": (REQUIRED, expects("a mapping of train, val and test sections",
+                                   partial(check_data, mode=mode, warnings=warnings)),
+                 "the train, val and test data sections"),
+        "optim": (None, expects("a mapping", check_optim_section),
+                  "the optimiser and its wrapper's options"),
+        "scheduler": (None, expects("null or a mapping with a 'type'",
+                                    lambda key, value: check_scheduler(value, key)),
+                      "the learning-rate schedule (null: a constant rate)"),
+        "precision": ("fp32", choice(*PRECISIONS),
+                      "fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler); "
+                      "--amp sets bf16"),
+        "compile": (False, check_compile,
+                    "torch.compile the model: false, true, or its options (see compile below)"),
+        "schedule": (None, expects("a mapping", check_schedule),
+                     "how long to train and how often to validate"),
+        "randomness": (None, RANDOMNESS, "seeds and determinism"),
+        "logging": (None, expects("a mapping", partial(check_logging, warnings=warnings)),
+                    "what is logged, how often and where"),
+        "checkpoint": (None, expects("a mapping",
+                                     partial(check_checkpoint, warnings=warnings)),
+                       "when checkpoints are written and how many are kept"),
+        "preemption": (None, PREEMPTION, "which signals stop training with a checkpoint"),
+        "hooks": ([], expects("a list of mappings", partial(check_hooks, warnings=warnings)),
+                  "more hooks: a list of {type: ..., options}"),
+        "resume": (False, check_resume,
+                   "false, true (the newest checkpoint in work_dir) or a checkpoint path; "
+                   "--resume sets it"),
+        "load_from": (None, nullable(existing_path),
+                      "a checkpoint to start from, its model weights only"),
     }
 
 

@@ -168,14 +168,22 @@ class EvalLoop:
         return results
 
 
+SCHEDULE = {
+    "max_epochs": (None, nullable(integer(1)),
+                   f"train this many epochs (one of max_epochs and max_iters; {MAX_EPOCHS} "
+                   f"epochs when neither is set)"),
+    "max_iters": (None, nullable(integer(1)),
+                  "train this many iterations instead; then every interval counts iterations"),
+    "val_interval": (1, integer(1),
+                     "validate every this many epochs (iterations with max_iters) and at the "
+                     "end"),
+}
+
+
 def check_schedule(key: str, value: Any) -> dict[str, Any]:
     """The ``schedule`` section: how long the loop trains (epochs or iterations, one of them;
     `MAX_EPOCHS` where neither is given) and how often it validates."""
-    out = fields(key, value, {
-        "max_epochs": (None, nullable(integer(1))),
-        "max_iters": (None, nullable(integer(1))),
-        "val_interval": (1, integer(1)),
-    })
+    out = fields(key, value, SCHEDULE)
     if out["max_epochs"] is not None and out["max_iters"] is not None:
         raise ConfigError(f"{key}: got both max_epochs ({out['max_epochs']}) and max_iters "
                           f"({out['max_iters']}), expected exactly one")

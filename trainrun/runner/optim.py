@@ -63,15 +63,46 @@ class OptimWrapper:
     ``clip_grad`` (a max norm, or ``{'max_norm': ..., 'norm_type': ...}``) and autocast in
     ``precision`` (fp16 with a gradient scaler).
 
-    ``grad_norm``: after a micro-step that stepped the optimiser, the total norm of the
-    gradients it applied, before clipping (a tensor), when clipping is on or
-    ``measure_grad_norm`` was set (the logger sets it for the steps it logs: without clipping
-    the norm costs one more pass over the gradients); None after any other micro-step.
+    A model's ``train_step`` uses two methods, so that the same code runs under every
+    strategy and setting::
+
+        with optim_wrapper.optim_context(self):
+            losses = self(batch, mode="loss")
+        loss, log_vars = parse_losses(losses)
+        optim_wrapper.update_params(loss)
+
+    A model with several optimisers (a GAN, through an ``OptimWrapperDict``) does the same
+    with each one's wrapper. ``update_params`` is ``backward``, then, once the micro-steps of
+    a group are in, ``step`` and ``zero_grad``; a model that needs finer control may call
+    those three itself.
+
+    Attributes:
+        optimizer: the torch optimiser.
+        grad_norm: after a micro-step that stepped the optimiser, the total norm of the
+            gradients it applied, before clipping (a tensor), when clipping is on or
+            ``measure_grad_norm`` was set (the logger sets it for the steps it logs: without
+            clipping the norm costs one more pass over the gradients); None after any other
+            micro-step.
+        measure_grad_norm: have the next steps measure ``grad_norm`` even without clipping.
+
+    Args:
+        optimizer: the torch optimiser to step.
+        accumulate: the micro-steps (batches) whose gradients make one optimiser step; each
+            micro-step's loss is divided by it.
+        clip_grad: clip the total gradient norm before each step: None (no clipping), the
+            max norm, or ``{'max_norm': ..., 'norm_type': ...}`` (the keyword arguments of
+            ``torch.nn.utils.clip_grad_norm_``).
+        precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``: the autocast of the forward (fp16
+            with a gradient scaler).
+        device_type: the device type autocast and the scaler work on (``'cuda'``, ``'cpu'``).
+
+    Raises:
+        ValueError: an unknown ``precision``.
     """
 
     def __init__(self, optimizer: Optimizer, accumulate: int = 1,
                  clip_grad: float | dict[str, float] | None = None, precision: str = "fp32",
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu") -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
         self.optimizer = optimizer
@@ -91,11 +122,22 @@ class OptimWrapper:
     def set_total(self, done_iters: int, max_iters: int) -> None:
         """Where training stands and where it ends, so that the last ``max_iters % accumulate``
         micro-steps form a group of their own (their loss divided by their number, then a
-        step) instead of being left unapplied."""
+        step) instead of being left unapplied.
+
+        The runner calls this when training starts (after a resume, too).
+
+        Args:
+            done_iters: the iterations already trained.
+            max_iters: the iterations the schedule trains.
+        """
         self.iters, self.max_iters = done_iters, max_iters
 
     def group_size(self) -> int:
-        """Micro-steps in the current accumulation group."""
+        """Micro-steps in the current accumulation group.
+
+        Returns:
+            ``accumulate``, or fewer for the last group of the run (see ``set_total``).
+        """
         if self.max_iters is None:
             return self.accumulate
         tail_start = self.max_iters - self.max_iters % self.accumulate
@@ -107,11 +149,25 @@ class OptimWrapper:
         return self.micro_steps + 1 >= self.group_size()
 
     def optim_context(self, model: nn.Module) -> AbstractContextManager[None]:
-        """Around the forward: no gradient sync on micro-steps that do not step, and autocast."""
+        """Around the forward: no gradient sync on micro-steps that do not step, and autocast.
+
+        Args:
+            model: the model as the strategy wrapped it (its ``no_sync``, where it has one,
+                is entered on micro-steps that do not step).
+
+        Returns:
+            A context manager for the forward; it enters nothing on a step that syncs, in
+            fp32.
+        """
         return _OptimContext(self, model)
 
     def update_params(self, loss: Tensor) -> None:
-        """Backward ``loss``; step and zero the gradients once ``accumulate`` micro-steps are in."""
+        """Backward ``loss``; step and zero the gradients once ``accumulate`` micro-steps are in.
+
+        Args:
+            loss: this micro-step's loss, a scalar tensor (it is divided by the group's
+                number of micro-steps here; pass it undivided).
+        """
         self.grad_norm = None
         group = self.group_size()
         if group > 1:
@@ -127,9 +183,16 @@ class OptimWrapper:
             self.micro_steps = 0
 
     def backward(self, loss: Tensor) -> None:
+        """Backward ``loss`` as it is (scaled first under fp16); no division, no step.
+
+        Args:
+            loss: a scalar tensor.
+        """
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> None:
+        """Step the optimiser on the gradients there are: unscaled first under fp16, clipped
+        to ``clip_grad`` (measuring ``grad_norm``) where that is set; it does not zero them."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if self.clip_grad or self.measure_grad_norm:
@@ -146,9 +209,15 @@ class OptimWrapper:
             self.optimizer.step()
 
     def zero_grad(self) -> None:
+        """Drop the gradients (set to None) of every parameter the optimiser steps."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def get_lr(self) -> float:
+        """The learning rate of the optimiser's first parameter group.
+
+        Returns:
+            The learning rate now (what the logger logs as ``lr``).
+        """
         return self.optimizer.param_groups[0]["lr"]
 
     def _params(self) -> list[Tensor]:
@@ -160,6 +229,10 @@ class OptimWrapper:
         Between optimiser steps it holds this rank's accumulated gradients too (copied to the
         CPU, as they travel to rank 0), without which a run resumed there would step on fewer
         micro-batches than one that never stopped.
+
+        Returns:
+            ``{'micro_steps': ..., 'scaler': ..., 'grads': ...}`` (``grads`` None right after
+            a step).
         """
         grads = None
         if self.micro_steps:
@@ -170,6 +243,11 @@ class OptimWrapper:
                 "grads": grads}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the micro-steps taken, the scaler, the gradients.
+
+        Args:
+            state: what ``state_dict`` returned.
+        """
         self.micro_steps = state["micro_steps"]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -226,22 +304,44 @@ def grad_norms(wrapper: Any) -> dict[str, Tensor]:
 
 
 class OptimWrapperDict(dict):
-    """One `OptimWrapper` per named submodule, for models with several optimisers (GANs).
+    """One ``OptimWrapper`` per named submodule, for models with several optimisers (GANs).
 
-    The model's own ``train_step`` picks ``optim_wrapper['generator']`` and so on.
+    The model's own ``train_step`` picks ``optim_wrapper['generator']`` and so on. It is a
+    dict of wrappers by submodule name (``optim.per_module``'s keys).
     """
 
     def get_lr(self) -> float:
+        """The learning rate of the first wrapper.
+
+        Returns:
+            Its optimiser's first parameter group's learning rate.
+        """
         return next(iter(self.values())).get_lr()
 
     def set_total(self, done_iters: int, max_iters: int) -> None:
+        """``OptimWrapper.set_total`` of every wrapper.
+
+        Args:
+            done_iters: the iterations already trained.
+            max_iters: the iterations the schedule trains.
+        """
         for wrapper in self.values():
             wrapper.set_total(done_iters, max_iters)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every wrapper's state.
+
+        Returns:
+            Each wrapper's ``state_dict`` by name.
+        """
         return {name: wrapper.state_dict() for name, wrapper in self.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load each wrapper's state.
+
+        Args:
+            state: what ``state_dict`` returned.
+        """
         for name, wrapper in self.items():
             wrapper.load_state_dict(state[name])
 
@@ -297,12 +397,15 @@ def state_tensors(optim: Mapping[str, Any]) -> int | None:
     return count(lambda key: optim.get(key, optimizer_default(optim["type"], key)))
 
 
-CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}", section({
-    "max_norm": (REQUIRED, number(above=0)),
-    "norm_type": (2.0, rule("a number", is_number)),
-    "error_if_nonfinite": (OPTIONAL, BOOL),
-    "foreach": (OPTIONAL, nullable(BOOL)),
-}))
+CLIP_GRAD_KEYS = {
+    "max_norm": (REQUIRED, number(above=0), "the largest total gradient norm kept"),
+    "norm_type": (2.0, rule("a number", is_number), "which norm (2: Euclidean; inf: max)"),
+    "error_if_nonfinite": (OPTIONAL, BOOL,
+                           "raise when the norm is nan or inf (torch's clip_grad_norm_)"),
+    "foreach": (OPTIONAL, nullable(BOOL), "torch's clip_grad_norm_ foreach option"),
+}
+CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}",
+                    section(CLIP_GRAD_KEYS))
 
 
 def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
@@ -316,19 +419,33 @@ def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
     return CLIP_GRAD(key, value)
 
 
+check_clip_grad.expected = expected_of(CLIP_GRAD)  # type: ignore[attr-defined]
+
+
 def optim_table(kind: str, arguments: set[str] | None) -> Fields:
     """The keys every optim section has; weight_decay only where the optimiser takes it."""
-    table: Fields = {"type": ("AdamW", lambda _, v: kind), "lr": (1e-3, number(above=0))}
+    table: Fields = {
+        "type": ("AdamW", expects(f"one of {', '.join(optimizer_names())}", lambda _, v: kind),
+                 "a torch.optim optimiser's name"),
+        "lr": (1e-3, number(above=0), "the base learning rate"),
+    }
     has_decay = arguments is None or "weight_decay" in arguments
     if has_decay:
-        table["weight_decay"] = (0.0, number(at_least=0))
-    paramwise = partial(check_paramwise, has_decay=has_decay)
+        table["weight_decay"] = (0.0, number(at_least=0), "the base weight decay")
+    paramwise = expects("null or a mapping", partial(check_paramwise, has_decay=has_decay))
     if kind in ONE_GROUP:
         paramwise = rule(f"null: {kind} takes one parameter group", lambda v: v is None)
     # paramwise stays absent unless given, so that the saved config of a run from before it
     # existed still matches on resume
-    table.update(clip_grad=(None, check_clip_grad), accumulate=(1, integer(1)),
-                 paramwise=(OPTIONAL, paramwise))
+    table.update(
+        clip_grad=(None, check_clip_grad,
+                   "clip the total gradient norm before each step: null (no clipping), the "
+                   "max norm, or {max_norm, norm_type}"),
+        accumulate=(1, integer(1),
+                    "accumulate the gradients of this many iterations before each step"),
+        paramwise=(OPTIONAL, paramwise,
+                   "learning rate and weight decay per parameter group (see "
+                   "optim.paramwise)"))
     return table
 
 
@@ -355,7 +472,7 @@ def check_optim(key: str, value: Any, where: Callable[[str], str] | None = None)
                 f"did you mean '{sibling}'?" if hint
                 else f"{kind} takes {', '.join(sorted(arguments))}"))
     out = {name: check(where(name), value.get(name, default))
-           for name, (default, check) in table.items()
+           for name, (default, check, *_) in table.items()
            if name in value or default is not OPTIONAL}
     return {**out, **extra}
 

@@ -44,7 +44,11 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
                     nn.LocalResponseNorm) if cls is not None)
 
 MULT = number(at_least=0)
-CUSTOM_KEY = section({"lr_mult": (1.0, MULT), "decay_mult": (1.0, MULT)})
+CUSTOM_KEY_OPTIONS = {
+    "lr_mult": (1.0, MULT, "the matched parameters' learning rate, times optim.lr"),
+    "decay_mult": (1.0, MULT, "their weight decay, times optim.weight_decay"),
+}
+CUSTOM_KEY = section(CUSTOM_KEY_OPTIONS)
 DECAY_MULTS = ("bias_decay_mult", "norm_decay_mult")
 
 
@@ -66,10 +70,14 @@ def check_custom_keys(key: str, value: Any) -> dict[str, dict[str, float]]:
 check_custom_keys.expected = "a mapping of names to {lr_mult, decay_mult}"  # type: ignore
 
 PARAMWISE: Fields = {
-    "bias_lr_mult": (None, nullable(MULT)),
-    "bias_decay_mult": (None, nullable(MULT)),
-    "norm_decay_mult": (None, nullable(MULT)),
-    "custom_keys": ({}, check_custom_keys),
+    "bias_lr_mult": (None, nullable(MULT),
+                     "learning-rate multiplier of parameters named bias (not norm layers')"),
+    "bias_decay_mult": (None, nullable(MULT), "weight-decay multiplier of those biases"),
+    "norm_decay_mult": (None, nullable(MULT),
+                        "weight-decay multiplier of normalisation layers' parameters"),
+    "custom_keys": ({}, check_custom_keys,
+                    "{part of a parameter's name: {lr_mult, decay_mult}}; the longest "
+                    "matching part wins"),
 }
 
 

@@ -171,4 +171,9 @@ def stop_signal(key: str, value: Any) -> str:
 stop_signal.expected = "signal names such as SIGTERM or SIGUSR1"  # type: ignore[attr-defined]
 
 
-PREEMPTION = section({"signals": (list(STOP_SIGNALS), names(stop_signal))})
+PREEMPTION_KEYS = {
+    "signals": (list(STOP_SIGNALS), names(stop_signal),
+                "the signals that stop training at the next step with a checkpoint and exit "
+                "75 (SLURM: requeued); SIGKILL and SIGSTOP cannot be caught"),
+}
+PREEMPTION = section(PREEMPTION_KEYS)

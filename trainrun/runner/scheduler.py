@@ -43,34 +43,55 @@ def _milestones(key: str, value: Any) -> list[int]:
 _milestones.expected = "a list of increasing ints >= 1 (iterations)"  # type: ignore[attr-defined]
 
 _FACTOR = rule("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1)
-_GAMMA = (0.1, number(above=0))
-_WARMUP: Fields = {"warmup_iters": (0, integer(0)), "warmup_start_factor": (0.1, _FACTOR)}
-_DECAY: Fields = {"min_lr_ratio": (None, nullable(_FACTOR)),
-                  "min_lr": (None, nullable(number(at_least=0))), **_WARMUP}
+_GAMMA = (0.1, number(above=0), "the factor the rate is multiplied by at each step")
+_WARMUP: Fields = {
+    "warmup_iters": (0, integer(0),
+                     "iterations of linear warm-up before the schedule (0: none)"),
+    "warmup_start_factor": (0.1, _FACTOR,
+                            "the warm-up's first rate, as a factor of the base rate"),
+}
+_DECAY: Fields = {
+    "min_lr_ratio": (None, nullable(_FACTOR),
+                     "where the decay ends, as a factor of each group's rate (default 0)"),
+    "min_lr": (None, nullable(number(at_least=0)),
+               "where the decay ends, as a rate (instead of min_lr_ratio)"),
+    **_WARMUP,
+}
 
 # The options each schedule takes (default or REQUIRED, check), in the order the validated
 # config lists them.
 SCHEDULER_OPTIONS: dict[str, Fields] = {
     "constant": {**_WARMUP},
     "step": {
-        "step_size": (REQUIRED, rule("an int >= 1 (iterations)", lambda v: is_int(v) and v >= 1)),
+        "step_size": (REQUIRED, rule("an int >= 1 (iterations)", lambda v: is_int(v) and v >= 1),
+                      "iterations between steps of the rate"),
         "gamma": _GAMMA,
         **_WARMUP,
     },
-    "multistep": {"milestones": (REQUIRED, _milestones), "gamma": _GAMMA, **_WARMUP},
+    "multistep": {
+        "milestones": (REQUIRED, _milestones, "the iterations at which the rate steps"),
+        "gamma": _GAMMA,
+        **_WARMUP,
+    },
     "exponential": {
         "gamma": (REQUIRED, rule("a number > 0 (the factor per iteration)",
-                                 lambda v: is_number(v) and v > 0)),
+                                 lambda v: is_number(v) and v > 0),
+                  "the factor the rate is multiplied by every iteration"),
         **_WARMUP,
     },
     "linear": {**_DECAY},
     "cosine": {**_DECAY},
-    "poly": {"power": (1.0, number(above=0)), **_DECAY},
-    "linear_warmup": {"warmup_iters": (REQUIRED, integer(1)), "start_factor": (0.1, _FACTOR)},
+    "poly": {"power": (1.0, number(above=0), "the polynomial's power (1: linear)"), **_DECAY},
+    "linear_warmup": {
+        "warmup_iters": (REQUIRED, integer(1),
+                         "iterations from start_factor up to the base rate, which then stays"),
+        "start_factor": (0.1, _FACTOR, "the first rate, as a factor of the base rate"),
+    },
 }
 SCHEDULERS: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)
 DECAYING = ("linear", "cosine", "poly")  # these decay over the total iterations
-_TYPE: Fields = {"type": (REQUIRED, choice(*SCHEDULERS))}
+_TYPE: Fields = {"type": (REQUIRED, choice(*SCHEDULERS),
+                         "the schedule's shape; every schedule steps once per iteration")}
 
 # linear_warmup's start_factor is the other schedules' warmup_start_factor: take both names
 _SYNONYMS = {"linear_warmup": {"warmup_start_factor": "start_factor"}}
@@ -95,7 +116,7 @@ def check_scheduler(cfg: Mapping[str, Any] | None, key: str = "scheduler") -> di
                 f"unknown key '{key}.{name}' for scheduler {kind!r}"
                 + (f"; did you mean '{key}.{hint}'?" if hint
                    else f"; it takes {', '.join(options) or 'no options'}"))
-    for name, (default, check) in options.items():
+    for name, (default, check, *_) in options.items():
         if default is REQUIRED and name not in given:
             raise ConfigError(f"{key}.{name}: missing, expected {expected_of(check)} "
                               f"(scheduler {kind!r} needs it)")

@@ -30,7 +30,9 @@ REQUIRED = object()  # a key without a default
 OPTIONAL = object()  # a key without a default that stays absent when not given
 
 Check = Callable[[str, Any], Any]  # (dotted key, value) -> the value, normalised; or raise
-Fields = dict[str, tuple[Any, Check]]  # key -> (default or REQUIRED, check)
+# key -> (default or REQUIRED or OPTIONAL, check, one line of meaning for the config reference);
+# a table used only inside a check may leave the meaning out: (default, check)
+Fields = dict[str, tuple[Any, ...]]
 
 
 class ConfigError(ValueError):
@@ -171,7 +173,7 @@ def fields(key: str, value: Any, table: Fields, *, open_: bool = False) -> dict[
             if name not in table:
                 raise unknown_key(key, name, table)
     out: dict[str, Any] = {}
-    for name, (default, check) in table.items():
+    for name, (default, check, *_) in table.items():
         if name in value:
             out[name] = check(join(key, name), value[name])
         elif default is REQUIRED:

@@ -17,11 +17,17 @@ from trainrun.dist import get_rank, sync_random_seed
 from trainrun.runner.schema import BOOL, integer, nullable, section
 
 SEED_LIMIT = 2**31
-RANDOMNESS = section({
-    "seed": (42, nullable(integer(0, SEED_LIMIT))),
-    "deterministic": (False, BOOL),
-    "diff_rank_seed": (False, BOOL),
-})
+RANDOMNESS_KEYS = {
+    "seed": (42, nullable(integer(0, SEED_LIMIT)),
+             "rank 0's seed, sent to every rank (null: a fresh random one each run)"),
+    "deterministic": (False, BOOL,
+                      "deterministic algorithms only (torch.use_deterministic_algorithms, "
+                      "cuDNN's deterministic mode): slower, the same results run after run "
+                      "on a GPU"),
+    "diff_rank_seed": (False, BOOL,
+                       "each rank seeds with seed + its rank (the data order stays shared)"),
+}
+RANDOMNESS = section(RANDOMNESS_KEYS)
 
 
 def set_random_seed(seed: int | None, deterministic: bool = False,

@@ -126,6 +126,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     # The options this strategy takes under `strategy:` in the config, with their defaults.
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    # What each option accepts, in words, for the config reference; each option's meaning is
+    # the class docstring's ``Args:`` entry.
+    ACCEPTS: ClassVar[dict[str, str]] = {}
     # The classes of the model `setup` returns (what `is_model_wrapper` recognises): a class, or
     # a class's name where importing its library only to ask would cost every run start-up time.
     WRAPPERS: ClassVar[tuple[type | str, ...]] = ()

@@ -141,6 +141,7 @@ class DDPStrategy(Strategy):
         "static_graph": False,
         "detect_anomalous_params": False,
     }
+    ACCEPTS = {**dict.fromkeys(OPTIONS, "true or false"), "bucket_cap_mb": "a number > 0"}
 
     @classmethod
     def memory_plan(cls, specs: Sequence[ParamSpec], world_size: int, cfg: Mapping[str, Any],

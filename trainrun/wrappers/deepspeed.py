@@ -627,6 +627,12 @@ class DeepSpeedStrategy(Strategy):
         "offload_param": None,  # parameters on the CPU (stage 3 only)
         "config": None,  # raw DeepSpeed keys, added to what the run's keys give
     }
+    ACCEPTS = {
+        "zero_stage": "null (DeepSpeed's default), 0, 1, 2 or 3",
+        "offload_optimizer": "null, true or false",
+        "offload_param": "null, true or false",
+        "config": "null or a mapping of DeepSpeed config keys",
+    }
 
     # its checkpoint: DeepSpeed's directory (see the module's functions)
     @classmethod

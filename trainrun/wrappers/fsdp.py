@@ -459,6 +459,14 @@ class FSDPStrategy(Strategy):
         "activation_checkpointing": False,
         "hybrid_shard_size": None,
     }
+    ACCEPTS = {
+        "sharding": f"one of {', '.join(SHARDINGS)}",
+        "mixed_precision": "null or {param_dtype, reduce_dtype, output_dtype} (dtype names)",
+        "cpu_offload": "true or false",
+        "wrap": "null or {classes: [class names], min_params: an int}",
+        "activation_checkpointing": "true or false",
+        "hybrid_shard_size": "null or an int that divides the world size",
+    }
 
     # its checkpoint: a torch.distributed.checkpoint directory (see the module's functions)
     @classmethod

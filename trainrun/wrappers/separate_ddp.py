@@ -112,6 +112,7 @@ class SeparateDDPStrategy(Strategy):
 
     WRAPPERS = (MMSeparateDistributedDataParallel,)
     OPTIONS = {"broadcast_buffers": False, "find_unused_parameters": False}
+    ACCEPTS = dict.fromkeys(OPTIONS, "true or false")
     # the model's own train_step calls its children, not its forward
     COMPILES = "each submodule with trainable parameters, before its DDP wrap"
 

@@ -102,18 +102,30 @@ class CheckpointHook(Hook):
         self.best_path = state.get("best_path")
 
 
+CHECKPOINT = {
+    "interval": (1, integer(0),
+                 "save every this many epochs (iterations with schedule.max_iters); 0: no "
+                 "periodic checkpoints"),
+    "max_keep": (MAX_KEEP, rule("an int >= 1, or -1 to keep all",
+                                lambda v: is_int(v) and (v >= 1 or v == -1)),
+                 "periodic checkpoints kept, the oldest removed first (-1: all)"),
+    "save_last": (True, BOOL, "save a checkpoint at the end of training"),
+    "save_best": (None, nullable(TEXT),
+                  "keep best_<metric>_*.pth of the best value of this validation metric "
+                  "(e.g. accuracy, or val/<set>/<metric> with several sets)"),
+    "best_rule": (None, nullable(choice("greater", "less")),
+                  "whether greater or less is better for save_best (default: less for a "
+                  "name with 'loss' in it, else greater)"),
+    "async": (False, BOOL,
+              "write periodic checkpoints in the background while training goes on (not "
+              "under deepspeed)"),
+}
+
+
 def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     """The ``checkpoint`` section (this hook's options and the manager's ``max_keep``), with
     ``best_rule`` filled from the metric's name where ``save_best`` is set."""
-    out = fields(key, value, {
-        "interval": (1, integer(0)),
-        "max_keep": (MAX_KEEP, rule("an int >= 1, or -1 to keep all",
-                             lambda v: is_int(v) and (v >= 1 or v == -1))),
-        "save_last": (True, BOOL),
-        "save_best": (None, nullable(TEXT)),
-        "best_rule": (None, nullable(choice("greater", "less"))),
-        "async": (False, BOOL),
-    })
+    out = fields(key, value, CHECKPOINT)
     if out["save_best"] is None:
         if out["best_rule"] is not None:
             warnings.append(f"{key}.best_rule is ignored without {key}.save_best")

@@ -63,8 +63,12 @@ def _type_name(key: str, value: Any) -> str:
     return value
 
 
-ITEM = {"type": (REQUIRED, expects("a shipped hook's name or an import path", _type_name)),
-        "priority": (OPTIONAL, priority)}
+ITEM = {
+    "type": (REQUIRED, expects("a shipped hook's name or an import path", _type_name),
+             "EMA, EarlyStopping, Profiler, or a Hook subclass by import path"),
+    "priority": (OPTIONAL, priority,
+                 "when the hook runs among the others (default: the class's own, normal = 50)"),
+}
 
 
 def hook_class(key: str, name: str) -> type[Hook]:

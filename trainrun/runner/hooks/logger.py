@@ -375,16 +375,24 @@ BACKEND = expects(f"one of {', '.join((*BACKENDS, *BUILT_IN))} or a tracker clas
                   f"path", partial(check_backend, own=BACKENDS))
 
 
+LOGGING = {
+    "interval": (INTERVAL, integer(1),
+                 "log a training line every this many iterations, and at the last"),
+    "backends": (list(BACKENDS), names(BACKEND),
+                 "where lines go: console (and train.log), jsonl (metrics.jsonl), tensorboard, "
+                 "wandb, mlflow, or a tracker class by import path"),
+    "step_metrics": (True, BOOL,
+                     "log grad_norm, compute_time, samples_per_s, tokens_per_s and "
+                     "peak_memory_mb on every training line"),
+}
+
+
 def check_logging(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     """The ``logging`` section: each backend is one of the logger's own outputs, a shipped
     tracker (wandb and mlflow must be installed; tensorboard is dropped with a warning where
     it is not) or a tracker class by import path; ``step_metrics`` false logs the values,
     lr, time and data_time alone (none of the step metrics' work is done)."""
-    out = fields(key, value, {
-        "interval": (INTERVAL, integer(1)),
-        "backends": (list(BACKENDS), names(BACKEND)),
-        "step_metrics": (True, BOOL),
-    })
+    out = fields(key, value, LOGGING)
     if "tensorboard" in out["backends"] and importlib.util.find_spec("tensorboard") is None:
         out["backends"].remove("tensorboard")
         warnings.append(f"{key}.backends: tensorboard is not installed (pip install "
