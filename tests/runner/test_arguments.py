@@ -69,3 +69,16 @@ def test_construct_gives_the_same_line_to_a_runner_built_from_python(tmp_path):
                train_dataloader={"type": "digits", "batch_size": 8})
     assert str(error.value) == HIDEN
     assert not (tmp_path / "run").exists()
+
+
+def test_an_argument_named_target_is_checked_like_any_other() -> None:
+    """call_mismatch's own first parameter is positional-only: an option called ``target``
+    (a hook's, a model's) is the class's, not a clash that crashes the check."""
+    from trainrun.runner.schema import call_mismatch
+
+    class Goal:
+        def __init__(self, target: float = 1.0):
+            self.target = target
+
+    assert call_mismatch(Goal, target=0.5) is None
+    assert "target2" in call_mismatch(Goal, target2=0.5)

@@ -57,11 +57,11 @@ def unknown_key(key: str, name: Any, known: Iterable[str]) -> ConfigError:
     return ConfigError(f"unknown key '{join(key, name)}'; {tail}")
 
 
-def call_mismatch(target: Callable[..., Any], *args: Any, **options: Any) -> str | None:
+def call_mismatch(target: Callable[..., Any], /, *args: Any, **options: Any) -> str | None:
     """Why ``target(*args, **options)`` would be refused for its arguments (TypeError's words),
     or None where they bind to its signature, or it has none to read (a builtin: the call
     itself will tell). Config sections that name a class or function check their options
-    with it before anything is built."""
+    with it before anything is built (an option may be called ``target`` too)."""
     try:
         inspect.signature(target).bind(*args, **options)
     except TypeError as error:
