@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/inductor_cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup train test test-fast bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat lint
+.PHONY: setup train test test-fast docs docs-check bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat lint
 
 setup:
 	@bash tools/bootstrap.sh
@@ -24,6 +24,16 @@ test: setup
 
 test-fast: setup
 	$(PYTEST) -m "not slow"
+
+# The documentation site, into site/ (open site/index.html); warnings are errors, as in the tests
+docs: setup
+	$(VENV)/bin/sphinx-build -W --keep-going -n -q -b html docs site
+	@echo "site/index.html"
+
+# The built site in headless Chromium: screenshots of the home page and the tutorial in
+# site/_screenshots/, and a check that they show navigation, search and content
+docs-check: docs
+	$(PY) tools/docs_check.py site
 
 bench: bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prepares everything `make train` and `make test` need: system MPI and SLURM (when apt is
-# there and they are missing), the virtual environment, torch, deepspeed, mpi4py and trainrun
-# itself. A second run with nothing changed returns at once.
+# Prepares everything `make train` and `make test` need: system MPI, SLURM and Chromium (when
+# apt is there and they are missing), the virtual environment, torch, deepspeed, mpi4py and
+# trainrun itself. A second run with nothing changed returns at once.
 #
 # Environment:  VENV (default .venv)   PYTHON (default python3)
 #               TORCH_SPEC (default torch==2.13.0, used only when no torch is importable)
@@ -24,6 +24,8 @@ install_system_packages() {
     local missing=()
     command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin libopenmpi-dev)
     command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm munge)
+    # headless Chromium: the docs tests open the built site as a reader would
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
     [ ${#missing[@]} -eq 0 ] && return 0
     if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
         say "skipping ${missing[*]}: needs apt-get as root (their tests will be skipped)"
@@ -60,7 +62,7 @@ make_venv
 install_torch
 # the trackers' packages (wandb, mlflow-skinny) take about 30 s more; their tests run offline;
 # hf (transformers) is the Hugging Face example's, whose tests build GPT-2 without a download
-say "pip install -e .[dev,mpi,wandb,mlflow,hf] (deepspeed, mpi4py, pytest, trackers, transformers, ...)"
-"$VENV/bin/pip" install -q -e ".[dev,mpi,wandb,mlflow,hf]"
+say "pip install -e .[dev,mpi,wandb,mlflow,hf,docs] (deepspeed, mpi4py, pytest, trackers, transformers, sphinx, ...)"
+"$VENV/bin/pip" install -q -e ".[dev,mpi,wandb,mlflow,hf,docs]"
 echo "$fingerprint" > "$stamp"
 say "ready: $("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"

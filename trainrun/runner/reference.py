@@ -188,8 +188,8 @@ def data_sections() -> list[Section]:
         for split in SPLITS)
     sections = [Section(anchor("data"), "data", "The data sections.", split_entries),
                 Section(anchor("data", "split"), "data.<split>",
-                        "Each of data.train, data.val and data.test (and each named "
-                        "validation set, data.val.<name>): `type` names the data set, these "
+                        "Each of `data.train`, `data.val` and `data.test` (and each named "
+                        "validation set, `data.val.<name>`): `type` names the data set, these "
                         "keys go to the DataLoader, every other key is an argument of the "
                         "data set.", split_table_entries())]
     for name, target in DATASETS.items():
@@ -242,8 +242,8 @@ def optim_sections() -> list[Section]:
                 "`clip_grad: 1.0` is short for `{max_norm: 1.0}`.",
                 table_entries("optim.clip_grad", CLIP_GRAD_KEYS)),
         Section(anchor("optim", "paramwise"), "optim.paramwise",
-                "Learning rate and weight decay per parameter, as multipliers of optim.lr and "
-                "optim.weight_decay; parameters with the same rates share a group.",
+                "Learning rate and weight decay per parameter, as multipliers of `optim.lr` "
+                "and `optim.weight_decay`; parameters with the same rates share a group.",
                 table_entries("optim.paramwise", PARAMWISE)),
         Section(anchor("optim", "paramwise", "custom_keys"), "optim.paramwise.custom_keys.<name>",
                 "A part of parameters' full names, and their multipliers.",
