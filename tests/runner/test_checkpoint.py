@@ -95,6 +95,18 @@ def test_max_keep_prunes_the_oldest_by_step_number(tmp_path):
     assert last_names(manager.directory) == "epoch_11.pth"
 
 
+def test_a_new_run_in_an_older_runs_directory_keeps_its_own_checkpoint(tmp_path):
+    """The older run's checkpoints have higher steps; pruning must not remove the new one,
+    which ``last`` names (it did: ``last`` then named a file that was gone)."""
+    older, model, optimizer = _manager(tmp_path, max_keep=2)
+    for epoch in (10, 15, 20):
+        older.save(f"epoch_{epoch}", model, optimizer, {})
+    newer, model, optimizer = _manager(tmp_path, max_keep=2)
+    newer.save("epoch_2", model, optimizer, {})
+    assert listing(newer.directory) == [*hashed("epoch_2.pth", "epoch_20.pth"), "last"]
+    assert newest(newer) == newer.directory / "epoch_2.pth"
+
+
 def test_best_checkpoints_are_not_pruned_and_do_not_move_last(tmp_path):
     manager, model, optimizer = _manager(tmp_path, max_keep=1)
     manager.save("iter_1", model, optimizer, {})

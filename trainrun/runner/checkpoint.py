@@ -205,7 +205,7 @@ class CheckpointManager:
             fsync_dir(self.directory)
             if update_last:
                 write_atomically(self.directory / LAST, final.name + "\n")
-                self._prune()
+                self._prune(final.name)
         barrier()
         if update_last:
             at_checkpoint(final.name, step)
@@ -214,13 +214,16 @@ class CheckpointManager:
         if is_main_process():
             _remove_checkpoint(path)
 
-    def _prune(self) -> None:
+    def _prune(self, newest: str) -> None:
+        """Remove the periodic checkpoints of the lowest steps beyond ``max_keep``, never
+        ``newest``, which ``last`` names: a new run in the directory of an older, longer one
+        writes lower steps than that run's, and its own checkpoint is the one to keep."""
         if self.max_keep < 0:
             return
-        periodic = sorted((step[1], entry) for entry in self.directory.iterdir()
-                          if (step := _periodic_step(entry.name)))
-        keep = max(self.max_keep, 1)  # never the newest, which `last` names
-        for _, entry in periodic[: max(len(periodic) - keep, 0)]:
+        others = sorted((step[1], entry) for entry in self.directory.iterdir()
+                        if (step := _periodic_step(entry.name)) and entry.name != newest)
+        keep = max(self.max_keep, 1) - 1  # the newest is one of those kept
+        for _, entry in others[: max(len(others) - keep, 0)]:
             _remove_checkpoint(entry)
 
 
