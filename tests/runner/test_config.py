@@ -191,6 +191,13 @@ def test_interpolation_of_a_missing_key_names_the_key(tmp_path):
     assert message.startswith("work_dir:") and "optim.learning_rate" in message
 
 
+def test_a_name_whose_interpolation_fails_is_a_config_error(tmp_path):
+    """``name`` is read before the rest is resolved (to fill it from the file's stem): a
+    missing key in it was a traceback from OmegaConf, not the one line."""
+    message = error(tmp_path, MINIMAL, overrides=["name=x-${optim.learning_rate}"])
+    assert "optim.learning_rate" in message
+
+
 def test_bad_interpolation_syntax_names_the_key(tmp_path):
     assert "work_dir" in error(tmp_path, MINIMAL + "work_dir: out/${name\n")
 

@@ -333,7 +333,11 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
     """
     overrides = list(overrides)
     cfg = apply_overrides(read_config(path), overrides, values)
-    if cfg.get("name", None) is None:
+    try:
+        unnamed = cfg.get("name", None) is None
+    except OmegaConfBaseException:  # an interpolation that does not resolve: resolve() says so
+        unnamed = False
+    if unnamed:
         cfg["name"] = Path(path).stem
     replaced = _length_from_command_line(cfg, overrides)
     checked, warnings = check(resolve(cfg), mode)
