@@ -149,10 +149,13 @@ def test_a_partition_ends_both_sides_and_resume_continues_exactly(two_nodes, tmp
     few seconds, nothing left running. With the link back, --resume on both nodes continues
     from the newest checkpoint with the losses the first run logged after it."""
     work_dir, timeout = tmp_path / "run", 10
+    # find_unused_parameters: DDP keeps its gradient buckets as built, so that 4 ranks resume
+    # bit for bit (re-arranged after DDP's first step, they sum the resumed run's first step
+    # in another order: docs/checkpoints.md, "What makes a resume exact")
     options = ["schedule.max_epochs=null", "schedule.max_iters=200", "checkpoint.interval=10",
                "logging.interval=1", "schedule.val_interval=1000",
                "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.05",
-               f"dist_timeout={timeout}"]
+               "strategy.find_unused_parameters=true", f"dist_timeout={timeout}"]
     jobs = _start_nodes(two_nodes, work_dir, options)
     workers: list[int] = []
     try:

@@ -53,7 +53,9 @@ _STEP_IN_NAME = re.compile(r"(?:^|_)(?:iter|epoch)_(\d+)")
 CAUSES_BEFORE = ("likely causes: unseeded randomness or non-deterministic ops "
                  "(try randomness.deterministic: true)")
 CAUSES_AFTER = ("likely causes: a random generator the checkpoint does not save, a data order "
-                "that does not resume, or non-deterministic ops (randomness.deterministic: true)")
+                "that does not resume, non-deterministic ops (randomness.deterministic: true), "
+                "or, under ddp on 3 or more processes, gradients summed in another order after "
+                "the resume (strategy.find_unused_parameters: true; see docs/checkpoints.md)")
 
 
 class RunFailed(Exception):
