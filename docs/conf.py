@@ -2,7 +2,8 @@
 
 Pages are MyST Markdown; the API reference is rendered from the docstrings (autodoc with
 napoleon, Google style); the config reference is generated from the config's schema tables
-by ``_ext/config_reference.py``, so neither can drift from the code.
+by ``_ext/config_reference.py``, and the command line's help by ``_ext/command_help.py``, so
+none of them can drift from the code.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "config_reference",
+    "command_help",
 ]
 
 source_suffix = {".md": "markdown"}

@@ -23,7 +23,7 @@ TRAIN = ("-m", "trainrun", "train")
 # subcommand -> (module under trainrun.cli, what it does)
 COMMANDS = {
     "train": ("train", "train from a YAML config"),
-    "plan": ("plan", "print what train would do with these arguments (train --dry-run)"),
+    "plan": ("plan", "check a config and print what train would do (train --dry-run)"),
     "test": ("test", "test a checkpoint on the config's test data"),
     "sweep": ("sweep", "train every point of a hyper-parameter grid and summarise them"),
     "export": ("export", "consolidate a checkpoint into one plain state-dict file"),
@@ -68,10 +68,16 @@ def usage() -> str:
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The subcommands' help: description and epilog as written (the examples keep their
-    lines), options' help from column 32 so that most options take one line."""
+    lines), options' help from column 26, and a list option shown as ``K=V ...``, so that
+    each option takes one line of an 80-column terminal."""
 
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=32)
+        super().__init__(prog, max_help_position=26)
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if action.nargs == argparse.ONE_OR_MORE:
+            return f"{self._metavar_formatter(action, default_metavar)(1)[0]} ..."
+        return super()._format_args(action, default_metavar)
 
 
 def epilog(*examples: str, docs: str) -> str:

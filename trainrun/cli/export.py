@@ -45,19 +45,17 @@ def parser() -> argparse.ArgumentParser:
         description="Consolidate a checkpoint of any strategy into one plain state-dict file.",
         formatter_class=HelpFormatter,
         epilog=epilog("trainrun export work_dirs/digits_fsdp model.safetensors",
-                      "trainrun export work_dirs/digits_ddp/checkpoints/epoch_20.pth model.pt "
-                      "--dtype bf16", docs="checkpoints"))
+                      "trainrun export work_dirs/digits_ddp/checkpoints/epoch_20.pth model.pt",
+                      docs="checkpoints"))
     p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a checkpoint file or directory, or a work_dir (its newest checkpoint)")
+                   help="a checkpoint, or a run directory (its newest)")
     p.add_argument("out", metavar="OUT", help="the file to write")
     p.add_argument("--format", choices=FORMATS,
-                   help="safetensors, or torch (torch.save); default: torch for a .pt, .pth "
-                        "or .bin OUT, else safetensors")
+                   help="default: torch for .pt .pth .bin, else safetensors")
     p.add_argument("--dtype", choices=tuple(DTYPES),
                    help="cast floating-point tensors (default: as saved)")
     p.add_argument("--ema", action="store_true",
-                   help="write the EMA hook's average of the weights (hooks: [{type: EMA}]) "
-                        "instead of the trained weights")
+                   help="the EMA hook's average instead of the weights")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     return p
 

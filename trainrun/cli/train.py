@@ -65,12 +65,12 @@ class Job:
 # ---------------------------------------------------------------- parsers
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--launcher", choices=LAUNCHERS,
-                        help="how the processes were started (wins over the config)")
+    parser.add_argument("--launcher", choices=LAUNCHERS, metavar="NAME",
+                        help="none|pytorch|slurm|mpi (wins over the config)")
     parser.add_argument("--work-dir", metavar="DIR",
-                        help="the run directory (wins over the config's work_dir)")
+                        help="the run directory (wins over the config)")
     parser.add_argument("--cfg-options", nargs="+", action="extend", default=[],
-                        metavar="K=V", help="overrides, e.g. optim.lr=0.01 strategy.type=ddp")
+                        metavar="K=V", help="overrides, e.g. optim.lr=0.01 strategy.type=fsdp")
     # torch.distributed.launch passes it; it fills LOCAL_RANK when unset
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
                         help=argparse.SUPPRESS)
@@ -95,17 +95,17 @@ def train_parser(command: str = "train") -> argparse.ArgumentParser:
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     _add_common(parser)
     parser.add_argument("--resume", nargs="?", const=True, metavar="CKPT",
-                        help="from CKPT (a checkpoint or run dir), else work_dir's newest")
+                        help="from CKPT or a run dir, else work_dir's newest")
     parser.add_argument("--force", action="store_true",
-                        help="with --resume: go on though the run's config.yaml differs")
+                        help="with --resume: accept a config that changed")
     parser.add_argument("--amp", action="store_true",
-                        help="mixed precision: bf16 (fp16 on a GPU without bf16)")
+                        help="bf16 mixed precision (fp16 on a GPU without bf16)")
     parser.add_argument("--nproc", type=_ranks, metavar="N",
-                        help="N processes here, started by torchrun (even N=1) after the checks")
+                        help="start N processes here, with torchrun (even N=1)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="check the config and print the plan; train and write nothing")
+                        help="check the config, print the plan; write nothing")
     parser.add_argument("--world-size", type=_ranks, metavar="N",
-                        help="with --dry-run: plan for N ranks; start nothing")
+                        help="with --dry-run: plan for N ranks")
     return parser
 
 
@@ -124,10 +124,9 @@ def test_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog("test", "test.py"), description="Test a checkpoint on the config's test data.",
         formatter_class=HelpFormatter,
-        epilog=epilog("trainrun test configs/digits_single.yaml "
-                      "work_dirs/digits_single/checkpoints/epoch_20.pth",
-                      "torchrun --nproc_per_node 2 -m trainrun test configs/digits_ddp.yaml "
-                      "CKPT --launcher pytorch", docs="cli"))
+        epilog=epilog("trainrun test configs/digits_single.yaml work_dirs/digits_single",
+                      "torchrun --nproc_per_node 2 -m trainrun test CONFIG CKPT --launcher pytorch",
+                      docs="cli"))
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint to test")
     _add_common(parser)

@@ -117,19 +117,17 @@ def parser() -> argparse.ArgumentParser:
                     "checkpoint.interval, logging and resume are set by this tool.",
         formatter_class=HelpFormatter,
         epilog=epilog("trainrun verify-resume configs/digits_single.yaml",
-                      "trainrun verify-resume configs/digits_ddp.yaml --nproc 2 "
-                      "--cfg-options strategy.type=fsdp", docs="checkpoints"))
+                      "trainrun verify-resume CONFIG --nproc 2 --cfg-options strategy.type=fsdp",
+                      docs="checkpoints"))
     p.add_argument("config", metavar="CONFIG", help="the YAML config")
     p.add_argument("--nproc", type=_at_least(1), default=1, metavar="N",
-                   help="processes per run: 1 runs trainrun train with --launcher none, more "
-                        "run it under torchrun with --launcher pytorch (default 1)")
+                   help="processes per run (default 1; more: torchrun)")
     p.add_argument("--steps", type=_at_least(2), default=20, metavar="S",
-                   help="training steps of each run; the kill follows the step-S/2 checkpoint "
-                        "(default 20)")
+                   help="steps per run, killed after step S/2 (default 20)")
     p.add_argument("--cfg-options", nargs="+", action="extend", default=[],
-                   metavar="KEY=VALUE", help="overrides for every run, e.g. strategy.type=fsdp")
+                   metavar="K=V", help="overrides for every run, e.g. strategy.type=fsdp")
     p.add_argument("--work-dir", metavar="DIR",
-                   help="where the runs go (default: a temporary directory, removed at the end)")
+                   help="where the runs go (default: a temporary dir)")
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     return p
 

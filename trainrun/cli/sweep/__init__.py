@@ -79,32 +79,31 @@ from trainrun.dist.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog("sweep", "sweep.py"),
-        description="Train every point of a hyper-parameter grid (one after another, or as a "
-        "SLURM job array)\nand summarise them.", formatter_class=HelpFormatter,
-        epilog=epilog("trainrun sweep configs/digits_single.yaml --grid optim.lr=1e-3,3e-3 "
-                      "model.hidden=64,128",
+        description="Train every point of a hyper-parameter grid (one after another, or as a\n"
+        "SLURM job array) and summarise them.", formatter_class=HelpFormatter,
+        epilog=epilog("trainrun sweep CONFIG --grid optim.lr=1e-3,3e-3 model.hidden=64,128",
                       "trainrun sweep configs/digits_ddp.yaml --grid optim.lr=1e-3,3e-3 "
                       "--nproc 2", docs="sweeps"))
     p.add_argument("config", metavar="CONFIG", help="the YAML config")
     p.add_argument("--grid", nargs="+", action="extend", required=True, metavar="K=V1,V2",
-                   help="a key and its comma-separated values, e.g. optim.lr=1e-3,3e-3")
+                   help="a key and its values, e.g. optim.lr=1e-3,3e-3")
     p.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="K=V",
-                   help="overrides for every point, e.g. schedule.max_epochs=5")
+                   help="overrides for every point")
     p.add_argument("--work-dir", metavar="DIR",
-                   help="the sweep directory (default work_dirs/<config name>-sweep)")
+                   help="the sweep directory (default work_dirs/<name>-sweep)")
     p.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                   help="local: one point after another here; slurm: one job array")
+                   help="one point after another here, or one job array")
     p.add_argument("--nproc", type=int, metavar="N",
-                   help="processes per point: torchrun here, srun tasks on SLURM (default 1)")
+                   help="processes per point (torchrun here, srun tasks)")
     p.add_argument("--sbatch-args", default="", metavar="'ARGS'",
-                   help="more sbatch options, as one string: '--partition=gpu --time=60'")
+                   help="more sbatch options in one string ('--time=60')")
     p.add_argument("--wait", action="store_true",
-                   help="with --launcher slurm: wait for the array, then summarise")
+                   help="slurm: wait for the array, then summarise")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--summary-only", action="store_true",
-                      help="train nothing; summarise what the points hold now")
+                      help="train nothing; summarise the points as they are")
     what.add_argument("--dry-run", action="store_true",
-                      help="check every point, print them and their commands; write nothing")
+                      help="check and print every point; write nothing")
     return p
 
 
