@@ -7,11 +7,13 @@ A fenced block is one of:
 - a file: any block whose first line is ``# <relative path>`` ending in .py, .yaml or .json;
   it is written to that path in the page's directory (later blocks use it) and, where the
   repository has that file, it must be the file's whole text;
-- anything else (``yaml`` fragments, ``text`` output, MyST directives): not run.
+- ``yaml``: a piece of a config; merged over ``configs/digits_single.yaml``, it must pass the
+  config's checks, so that a renamed key breaks a test;
+- anything else (``text`` output, MyST directives): not run.
 
-A ``bash`` or ``python`` block that cannot run in the tests says why on its first line,
-visibly: ``# not tested: needs a SLURM cluster``. Blocks of a page run in order, each starting
-in the page's directory.
+A ``bash``, ``python`` or ``yaml`` block that cannot run in the tests says why on its first
+line, visibly: ``# not tested: needs a SLURM cluster``. Blocks of a page run in order, each
+starting in the page's directory.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ class Block:
     @property
     def runs(self) -> bool:
         return self.lang in RUN and self.file is None and self.not_tested is None
+
+    @property
+    def is_config(self) -> bool:
+        """A piece of a config the tests check (see the module's docstring)."""
+        return self.lang == "yaml" and self.file is None and self.not_tested is None
 
 
 def blocks(page: Path) -> list[Block]:

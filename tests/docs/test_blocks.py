@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.docs.blocks import NOT_RUN_ALIASES, PAGES, REPO, RUN, blocks, runnable_pages
 
@@ -27,7 +28,7 @@ def test_every_shell_and_python_block_runs_or_says_why() -> None:
             if block.lang in NOT_RUN_ALIASES:
                 problems.append(f"{block.where}: a {block.lang!r} block; write it as "
                                 f"{' or '.join(RUN)} so that it runs (or says why not)")
-            if block.lang in RUN and block.first_line.startswith("# not tested") \
+            if block.lang in (*RUN, "yaml") and block.first_line.startswith("# not tested") \
                     and block.not_tested is None:
                 problems.append(f"{block.where}: write '# not tested: <why>'")
     assert not problems, "\n".join(problems)
@@ -41,6 +42,32 @@ def test_file_blocks_are_the_files_they_name() -> None:
             if block.file and (REPO / block.file).is_file():
                 if (REPO / block.file).read_text(encoding="utf-8") != block.text:
                     problems.append(f"{block.where}: differs from {block.file}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_piece_of_a_config_passes_the_configs_checks(tmp_path: Path) -> None:
+    """Each yaml block, merged over a shipped config (its own ``_base_`` where it names one),
+    loads: its keys exist and its values are accepted."""
+    from trainrun.runner.config import load_config
+
+    problems = []
+    base = REPO / "configs" / "digits_single.yaml"
+    for page in PAGES:
+        for block in (b for b in blocks(page) if b.is_config):
+            try:
+                piece = yaml.safe_load(block.text)
+            except yaml.YAMLError as error:
+                problems.append(f"{block.where}: not YAML: {error}")
+                continue
+            if not isinstance(piece, dict):
+                problems.append(f"{block.where}: not a mapping of config keys")
+                continue
+            config = tmp_path / f"block_{block.line}.yaml"
+            config.write_text(yaml.safe_dump({"_base_": str(base), **piece}), encoding="utf-8")
+            try:
+                load_config(config, on_warning=lambda _: None)
+            except ValueError as error:
+                problems.append(f"{block.where}: {error}")
     assert not problems, "\n".join(problems)
 
 
