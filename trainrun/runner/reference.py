@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import yaml
 
 from trainrun.examples import DATASETS, HOOKS, MODELS, import_target
@@ -115,14 +116,20 @@ def anchor(*parts: str) -> str:
 
 # ---------------------------------------------------------------- the sections
 
-def run_sections() -> list[Section]:
-    table = top_level("train", [])
+def top_section() -> Section:
+    return Section(anchor("top"), "The top level",
+                   "The run's own keys; each other key is a section below. Those that say how "
+                   "the processes start and where the run starts from "
+                   f"({', '.join(LAUNCH_KEYS)}) may change when a run is resumed.",
+                   table_entries("", top_level("train", [])))
+
+
+# the sections of one table each, with no class or type to choose their keys
+PLAIN_SECTIONS = ("compile", "schedule", "randomness", "logging", "checkpoint", "preemption")
+
+
+def plain_sections() -> list[Section]:
     return [
-        Section(anchor("top"), "The top level",
-                "The run's own keys; each other key is a section below. Those that say how "
-                "the processes start and where the run starts from "
-                f"({', '.join(LAUNCH_KEYS)}) may change when a run is resumed.",
-                table_entries("", table)),
         Section(anchor("compile"), "compile",
                 "`compile: true` compiles with every default below; see the compile page.",
                 table_entries("compile", COMPILE)),
@@ -224,8 +231,6 @@ def optim_sections() -> list[Section]:
         "optim.per_module", "null", "null or {submodule: {optim keys}}",
         "one optimiser per submodule (separate_ddp), each with these overrides of the keys "
         "above"),)
-    import torch
-
     optimiser = getattr(torch.optim, DEFAULT_OPTIMISER)
     extra = tuple(Entry(f"optim.{e.key.partition('.')[2]}", e.default, e.accepts,
                         f"torch.optim.{DEFAULT_OPTIMISER}'s {e.key.partition('.')[2]}")
@@ -282,8 +287,8 @@ def hook_sections() -> list[Section]:
 @functools.cache
 def sections() -> tuple[Section, ...]:
     """Every section of the config, in the order the reference shows them."""
-    return (*run_sections()[:1], *strategy_sections(), *model_sections(), *data_sections(),
-            *optim_sections(), *scheduler_sections(), *run_sections()[1:], *hook_sections())
+    return (top_section(), *strategy_sections(), *model_sections(), *data_sections(),
+            *optim_sections(), *scheduler_sections(), *plain_sections(), *hook_sections())
 
 
 # ---------------------------------------------------------------- a resolved config's keys
@@ -335,7 +340,7 @@ def where_documented(key: str, cfg: Mapping[str, Any]) -> str | None:
         index = int(head[len("hooks["):-1])
         candidates = [anchor("hooks"), anchor("hooks", str(cfg["hooks"][index]["type"]))]
         key = f"hooks[].{rest}"
-    elif head in {s.anchor.removeprefix("cfg-") for s in run_sections()[1:]}:
+    elif head in PLAIN_SECTIONS:
         candidates = [anchor(head)]
     else:
         candidates = [anchor("top")]

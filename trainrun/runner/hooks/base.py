@@ -1,15 +1,5 @@
-"""The hook interface: the points of a run where hooks are called, in this order.
-
-before_run
-  before_train
-    before_train_epoch
-      before_train_iter / after_train_iter      (once per batch)
-    after_train_epoch
-    (before_val / after_val whenever validation runs)
-    (before_checkpoint_save whenever a checkpoint is about to be written)
-  after_train
-  (before_test / after_test)
-after_run
+"""The hook interface: the points of a run where hooks are called (``Hook`` lists them in
+the order of a run), and the order of the built-in hooks at each point.
 
 Hooks run in ascending ``priority``. Every method receives the runner; the default does nothing.
 ``on_error`` is called instead of the rest when training ends by an exception.
