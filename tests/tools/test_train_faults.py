@@ -202,14 +202,18 @@ def test_workers_of_a_killed_torchrun_stop_and_resume_exactly(tmp_path, straight
 
 @pytest.mark.slow
 def test_a_second_job_into_a_run_directory_in_use_is_refused(tmp_path):
-    """Two torchrun jobs started into one run directory 2 s apart (a double submission): the
-    second refuses before writing anything, exit 2, naming the holder; the first trains on
-    undisturbed, every step logged once."""
+    """Two torchrun jobs started into one run directory (a double submission; the second once
+    the first holds it): the second refuses before writing anything, exit 2, naming the
+    holder; the first trains on undisturbed, every step logged once."""
     args = (str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path), "--cfg-options",
             *SLOW, "model.step_seconds=0.25")
     first = subprocess.Popen(torchrun(*args), env=env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    time.sleep(2)
+    # (a fixed 2 s wait let the second job win the lock when the machine was busy)
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "run.lock").exists() and (tmp_path / "train.log").exists()):
+        assert first.poll() is None and time.monotonic() < deadline, "the first job never ran"
+        time.sleep(0.05)
     second = run(torchrun(*args))
     while_second = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     _, err = first.communicate(timeout=120)
