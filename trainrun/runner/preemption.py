@@ -1,6 +1,7 @@
 """Stopping cleanly when the cluster asks: by default SIGTERM (torchrun passing on its own,
-SLURM at preemption or the time limit) or SIGUSR1 (what ``sbatch --signal=USR1@60`` sends);
-``preemption.signals`` in the config names others.
+SLURM at preemption or the time limit) or SIGUSR1 (what ``sbatch --signal=USR1@120`` sends
+before the time limit, as tools/slurm_train.sbatch asks); ``preemption.signals`` in the config
+names others.
 
 The handler only records the signal: no collectives and no I/O run inside it. At step
 boundaries (about every quarter of a second) the ranks agree through one small all_reduce of
