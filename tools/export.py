@@ -1,7 +1,8 @@
-"""Consolidate a checkpoint of any strategy into one plain state-dict file (see
-`trainrun.cli.export` and the README).
+"""Consolidate a checkpoint of any strategy into one plain state-dict file: ``trainrun
+export`` (``--help``; docs/checkpoints.md).
 
-    python tools/export.py CHECKPOINT OUT [--format safetensors|torch] [--dtype bf16] [--force]
+    python tools/export.py CHECKPOINT OUT [--format safetensors|torch] [--dtype bf16] [--ema]
+                           [--force]
 """
 
 import sys

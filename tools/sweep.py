@@ -1,5 +1,5 @@
-"""Train every point of a hyper-parameter grid and summarise them (see `trainrun.cli.sweep`
-and the README).
+"""Train every point of a hyper-parameter grid and summarise them (``trainrun
+sweep``; docs/sweeps.md).
 
     python tools/sweep.py CONFIG --grid optim.lr=1e-3,3e-3 model.hidden=64,128
                           [--cfg-options key=value ...] [--work-dir DIR] [--nproc N]

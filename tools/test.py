@@ -1,4 +1,4 @@
-"""Test a checkpoint on the config's test data (see `trainrun.cli.test` and the README).
+"""Test a checkpoint on the config's test data (``trainrun test``; docs/cli.md).
 
     python tools/test.py CONFIG CHECKPOINT [--launcher ...] [--cfg-options ...] [--work-dir DIR]
 """

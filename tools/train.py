@@ -1,7 +1,8 @@
-"""Train from a YAML config (see `trainrun.cli.train` and the README).
+"""Train from a YAML config: ``trainrun train`` (``--help``; docs/cli.md).
 
     python tools/train.py CONFIG [--launcher {none,pytorch,slurm,mpi}] [--work-dir DIR]
-                          [--resume [CKPT]] [--cfg-options key=value ...] [--amp] [--dry-run]
+                          [--resume [CKPT]] [--force] [--cfg-options key=value ...] [--amp]
+                          [--nproc N] [--dry-run [--world-size N]]
 """
 
 import sys

@@ -1,5 +1,5 @@
 """Check that a config resumes bit for bit: S steps straight against S/2 + SIGKILL + --resume
-to S (see `trainrun.cli.verify_resume` and the README).
+to S (``trainrun verify-resume``; docs/checkpoints.md).
 
     python tools/verify_resume.py CONFIG [--nproc N] [--steps S] [--cfg-options KEY=VALUE ...]
                                   [--work-dir DIR] [--keep]

@@ -1,7 +1,7 @@
 """A strategy written entirely here, plus one registry line, gets what the shipped ones get:
 training from a config through the Runner, exact resume after a crash, export, the dry run's
 plan and option checking. It is DDP whose checkpoint is a directory with one file per rank
-(the README's "Write your own strategy" walks through it)."""
+(docs/own-strategy.md walks through it)."""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ from trainrun.runner.trackers import BUILT_IN, check_backend, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
 BACKENDS = ("console", "jsonl")  # where they go by default; the logger's own outputs
-# What every logged training line adds to the model's values and lr (see the README's
-# "Trackers and step metrics"): grad_norm (grad_norm/<name> per optimiser of a dict), and:
+# What every logged training line adds to the model's values and lr (docs/hooks-and-trackers.md,
+# "Step metrics"): grad_norm (grad_norm/<name> per optimiser of a dict), and:
 TIMES = ("time", "data_time", "compute_time")  # seconds an iteration: all, waiting for data, rest
 STEP_METRICS = (*TIMES, "samples_per_s", "tokens_per_s", "peak_memory_mb")
 # values that differ from one run to the next, as wall-clock times and memory do
