@@ -87,7 +87,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import trainrun.dist.heartbeat as heartbeat
 import trainrun.runner.hooks.logger as logger_module
 import trainrun.runner.preemption as preemption_module
-from trainrun.examples import resolve
+from trainrun.registry import resolve
 from trainrun.runner.hooks import Hook, LoggerHook, PreemptionHook
 from trainrun.runner.runner import Runner
 from trainrun.wrappers.ddp import DDPStrategy

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from trainrun.cli.metrics import Series, read_run
-from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
+from trainrun.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.files import replacing
 
 

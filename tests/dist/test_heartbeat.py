@@ -331,3 +331,10 @@ def test_no_heartbeat_without_a_group_and_phases_nest(run_on, world_size):
     results = run_on(world_size)(_collective_place_body) if world_size > 1 \
         else [_collective_place_body()]
     assert all(r == (world_size > 1, ["hooks", "checkpoint save", "setup"]) for r in results)
+
+
+def test_a_lost_rank_exits_with_the_command_lines_failure_code():
+    from trainrun.dist.heartbeat import RANK_LOST_EXIT
+    from trainrun.exits import EXIT_FAILED
+
+    assert RANK_LOST_EXIT == EXIT_FAILED

@@ -14,9 +14,10 @@ import torch
 
 from trainrun.cli.train import main as train_main
 from trainrun.dist.launch import free_port
-from trainrun.examples import digits, resolve
+from trainrun.examples import digits
 from trainrun.examples.digits import DigitsDataset
 from trainrun.examples.tinylm import CharCorpus
+from trainrun.registry import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -18,9 +18,9 @@ from tests.records import losses, records
 from tests.runner.toy import straight_crash_resume
 from trainrun.cli.train import main as train_main
 from trainrun.dist.launch import free_port
-from trainrun.examples import resolve
 from trainrun.examples.hf_gpt2 import HFGPT2
 from trainrun.examples.tinylm import NEWLINE_ID, CharLines
+from trainrun.registry import resolve
 from trainrun.runner import Runner
 from trainrun.runner.collate import pad_sequences
 from trainrun.runner.config import load_config

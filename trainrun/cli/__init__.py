@@ -89,7 +89,7 @@ def epilog(*examples: str, docs: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``trainrun SUBCOMMAND ARGS``: run the subcommand's ``main(ARGS)``; returns its exit
-    code (2 for an unknown subcommand: dist.exits' EXIT_USAGE, written out because importing
+    code (2 for an unknown subcommand: trainrun.exits' EXIT_USAGE, written out because importing
     trainrun.dist imports torch, which a usage line should not wait for)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:

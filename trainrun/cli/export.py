@@ -25,7 +25,7 @@ from torch import Tensor
 
 from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.dist.device import DTYPES
-from trainrun.dist.exits import EXIT_OK, EXIT_USAGE
+from trainrun.exits import EXIT_OK, EXIT_USAGE
 from trainrun.runner.checkpoint import read_train_state, read_weights, resolve_checkpoint
 from trainrun.runner.files import replacing
 from trainrun.runner.hooks.ema import EMAHook

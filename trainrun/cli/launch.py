@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainrun.cli import TRAIN
-from trainrun.dist.exits import EXIT_OK
+from trainrun.exits import EXIT_OK
 
 # where the workers of ``--nproc`` leave their reports (set by the process that starts them)
 REPORT_DIR = "TRAINRUN_REPORT_DIR"

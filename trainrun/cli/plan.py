@@ -21,7 +21,7 @@ from trainrun.dist.launch import (
     announced_world_size,
     resolve_backend,
 )
-from trainrun.dist.text import show
+from trainrun.messages import show
 from trainrun.runner.hooks.base import SLOTS
 from trainrun.runner.hooks.from_config import planned_order
 from trainrun.runner.sampler import batches_per_epoch
@@ -86,7 +86,7 @@ def _compile(cfg: Mapping[str, Any]) -> str:
     """What is compiled (the strategy says) and with which options."""
     if not cfg.get("compile"):
         return "no"
-    from trainrun.wrappers import STRATEGIES
+    from trainrun.registry import STRATEGIES
 
     where = STRATEGIES[cfg["strategy"]["type"]].COMPILES
     return f"{where}; {_options(cfg['compile'])} (at the first step)"

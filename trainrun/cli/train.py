@@ -30,9 +30,9 @@ from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, p
 from trainrun.cli.launch import launch_workers, leave_report
 from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
-from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
-from trainrun.dist.text import first_line
+from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
+from trainrun.messages import first_line
 from trainrun.runner.builder import (
     build_meta_model,
     check_batches,
@@ -434,7 +434,7 @@ def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
     from torch.utils.data import IterableDataset
 
     try:
-        from trainrun.examples import resolve
+        from trainrun.registry import resolve
     except ImportError:
         return None, "trainrun.examples.resolve is not available"
     train = cfg.data.train

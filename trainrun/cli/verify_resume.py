@@ -36,8 +36,8 @@ from typing import Any
 
 from trainrun.cli import TRAIN, HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.processes import process_tree
-from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainrun.dist.launch import free_port
+from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.hooks.logger import NOT_REPRODUCIBLE

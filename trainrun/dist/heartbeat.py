@@ -37,12 +37,16 @@ from typing import Any, NoReturn
 
 import torch.distributed as torch_dist
 
-from trainrun.dist.exits import EXIT_FAILED
-from trainrun.dist.text import first_line
-
 log = logging.getLogger("trainrun")
 
+# The exit code of a rank this module stops because its job is lost: trainrun.exits'
+# EXIT_FAILED, written out because dist/ imports nothing else of trainrun.
+RANK_LOST_EXIT = 1
 
+
+def one_line(error: object) -> str:
+    """An error's message, its first line only: what a one-line report shows."""
+    return (str(error).strip().splitlines() or [""])[0]
 
 # ---------------------------------------------------------------- this rank's place
 
@@ -228,7 +232,7 @@ def describe(beats: dict[int, Beat | None], now: float, silent_after: float,
 def brief(error: BaseException) -> str:
     """An error's first sentence, without the source location backends put first
     ('[.../pair.cc:537] Read error ...: Connection timed out. This is typically ...')."""
-    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first_line(error))
+    line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", one_line(error))
     return line.split(". ", 1)[0]
 
 
@@ -251,14 +255,14 @@ def exit_saying(message: str) -> NoReturn:
               flush=True)
     except (OSError, ValueError):  # nobody can be told
         pass
-    os._exit(EXIT_FAILED)
+    os._exit(RANK_LOST_EXIT)
 
 
 def _end_process() -> None:
     """End this process now, from the heartbeat thread: the main thread may be stuck in a
     collective that never returns, so no exception could reach it."""
     _flush_logs()
-    os._exit(EXIT_FAILED)
+    os._exit(RANK_LOST_EXIT)
 
 
 class _LockedStore:
@@ -384,7 +388,7 @@ class Heartbeat:
             if refused is not None and time.monotonic() - refused[0] >= self.GONE_AFTER \
                     and not self.failing:
                 self._exit_lost(f"the job's store at {self.address} is gone "
-                                f"({first_line(refused[1])}): its host or the launcher "
+                                f"({one_line(refused[1])}): its host or the launcher "
                                 "hosting it died")
             unanswered = time.monotonic() - self._answered
             if unanswered >= self.silent_after:
@@ -487,7 +491,7 @@ class Heartbeat:
         where = Beat(0, 0.0, _place.step, _place.phase).where()
         try:
             self._post(f"rank {self.rank} failed {where}: {type(error).__name__}: "
-                       f"{first_line(error)}",
+                       f"{one_line(error)}",
                        [self.rank])
             deadline = time.monotonic() + self.GRACE + 3
             while self.store.add(self.key("told"), 0) < self.world_size - 1 \

@@ -9,8 +9,7 @@ from contextlib import contextmanager
 
 from torch.distributed import ProcessGroup
 
-from trainrun.dist.heartbeat import phase
-from trainrun.dist.text import first_line
+from trainrun.dist.heartbeat import one_line, phase
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -92,5 +91,5 @@ def named_operation(name: str, group: ProcessGroup | None = None) -> Iterator[No
         raise DistTimeoutError(
             f"{name} timed out after {seconds:g} s on {where}: another rank did not take part "
             f"(it may have crashed, hung, or be waiting in a different collective). "
-            f"Backend said: {first_line(exc)}"
+            f"Backend said: {one_line(exc)}"
         ) from exc

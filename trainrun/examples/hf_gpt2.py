@@ -4,7 +4,7 @@
 GPT-2's random initialisation drawn from the run's seed (the runner seeds before it builds
 the model), never a download: nothing here calls ``from_pretrained`` or the Hugging Face Hub.
 The module imports ``transformers`` at its top; where it is missing, naming the model in a
-config is exit 2 saying which extra to install (`trainrun.examples.EXTRAS`).
+config is exit 2 saying which extra to install (``trainrun.registry.EXTRAS``).
 """
 
 from __future__ import annotations

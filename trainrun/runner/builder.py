@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from trainrun.dist import get_dist_info
-from trainrun.dist.text import first_line
-from trainrun.examples import resolve
+from trainrun.messages import first_line
+from trainrun.registry import STRATEGIES, resolve
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.optim import (
     GROUP_KEYS,
@@ -58,7 +58,6 @@ from trainrun.runner.schema import (
     unknown_key,
 )
 from trainrun.runner.seed import seed_worker
-from trainrun.wrappers import STRATEGIES
 from trainrun.wrappers.base import Optimizers
 from trainrun.wrappers.memory import StateBytes, param_specs
 

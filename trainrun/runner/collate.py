@@ -15,6 +15,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
+from trainrun.registry import COLLATES
+
 
 def _is_sequence(value: Any) -> bool:
     return isinstance(value, Tensor) and value.dim() >= 1
@@ -69,3 +71,7 @@ def pad_sequences(batch: Sequence[Any], pad_value: float = 0,
     if isinstance(first, Mapping):
         return {**out, **{f"{name}_mask": mask for name, mask in masks.items()}}
     return (*out.values(), *masks.values())
+
+
+COLLATES.register("default", default_collate)
+COLLATES.register("pad_sequences", pad_sequences)

@@ -23,8 +23,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainrun.dist import launch
-from trainrun.dist.text import first_line, show
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT
+from trainrun.messages import first_line, show
+from trainrun.registry import STRATEGIES
 from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
 from trainrun.runner.builder import LOADER_OPTIONS, MODEL, check_data
 from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
@@ -52,7 +53,6 @@ from trainrun.runner.schema import (
     unknown_key,
 )
 from trainrun.runner.seed import RANDOMNESS
-from trainrun.wrappers import STRATEGIES
 from trainrun.wrappers.base import COMPILE_BACKENDS, COMPILE_DEFAULTS, COMPILE_MODES
 
 log = logging.getLogger("trainrun")

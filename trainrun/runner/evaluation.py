@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from trainrun.dist import broadcast_object_list, collect_results, is_main_process
+from trainrun.registry import METRICS
 
 
 class MetricError(RuntimeError):
@@ -187,3 +188,8 @@ class MeanOf(BaseMetric):
             ``{name: mean}``; nan when there are no results.
         """
         return {self.name: sum(results) / len(results) if results else float("nan")}
+
+
+METRICS.register("accuracy", Accuracy)
+METRICS.register("mean", MeanOf)
+METRICS.register("val_loss", MeanOf, name="val_loss")

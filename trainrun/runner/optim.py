@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from trainrun.dist import phase
 from trainrun.dist.device import DTYPES, autocast_dtype
-from trainrun.dist.text import closest, is_number
+from trainrun.messages import closest, is_number
 from trainrun.runner.paramwise import check_paramwise
 from trainrun.runner.schema import (
     ALIASES,

@@ -8,7 +8,7 @@ boundaries (about every quarter of a second) the ranks agree through one small a
 that record, so all of them stop after the same step even when the signal reached only some;
 then a checkpoint is written, a
 SLURM job requeues itself where ``scontrol`` allows it, and `Preempted` ends the run (exit
-code `trainrun.dist.exits.EXIT_PREEMPTED` from the command line).
+code `trainrun.exits.EXIT_PREEMPTED` from the command line).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainrun.dist import all_reduce, get_rank, is_distributed
-from trainrun.dist.text import first_line
+from trainrun.messages import first_line
 from trainrun.runner.schema import bad_value, names, section
 
 log = logging.getLogger("trainrun")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from trainrun.examples import DATASETS, HOOKS, MODELS, import_target
+from trainrun.registry import DATASETS, HOOKS, MODELS, STRATEGIES, Registry
 from trainrun.runner.builder import loader_table
 from trainrun.runner.config import COMPILE, LAUNCH_KEYS, top_level
 from trainrun.runner.hooks.checkpoint import CHECKPOINT
@@ -31,7 +31,6 @@ from trainrun.runner.scheduler import _TYPE as SCHEDULER_TYPE
 from trainrun.runner.scheduler import SCHEDULER_OPTIONS
 from trainrun.runner.schema import OPTIONAL, REQUIRED, Fields, expected_of
 from trainrun.runner.seed import RANDOMNESS_KEYS
-from trainrun.wrappers import STRATEGIES
 
 SPLITS = ("train", "val", "test")
 DEFAULT_OPTIMISER = "AdamW"
@@ -174,15 +173,22 @@ def model_sections() -> list[Section]:
                                "the model's class: a built-in name below, or "
                                "my_module.MyModel (imported from the working directory and "
                                "PYTHONPATH)"),))]
-    for name, target in MODELS.items():
+    for name in MODELS:
         try:
-            cls = import_target(target, "model", shown=name)
+            cls = MODELS[name]
         except ValueError:  # its optional extra is not installed here
             continue
         sections.append(Section(anchor("model", name), f"model: {name}",
-                                f"`model.type: {name}` ({target.replace(':', '.')}).",
+                                f"`model.type: {name}` ({where(MODELS, name)}).",
                                 signature_entries("model", cls)))
     return sections
+
+
+def where(registry: Registry, name: str) -> str:
+    """Where a registered name's class lives, as a dotted path (not importing it)."""
+    target = registry.target(name)
+    return target.replace(":", ".") if isinstance(target, str) \
+        else f"{target.__module__}.{target.__qualname__}"
 
 
 def data_sections() -> list[Section]:
@@ -199,10 +205,10 @@ def data_sections() -> list[Section]:
                         "validation set, `data.val.<name>`): `type` names the data set, these "
                         "keys go to the DataLoader, every other key is an argument of the "
                         "data set.", split_table_entries())]
-    for name, target in DATASETS.items():
-        cls = import_target(target, "dataset", shown=name)
+    for name in DATASETS:
+        cls = DATASETS[name]
         sections.append(Section(anchor("data", name), f"data.<split>: {name}",
-                                f"`data.<split>.type: {name}` ({target.replace(':', '.')}).",
+                                f"`data.<split>.type: {name}` ({where(DATASETS, name)}).",
                                 signature_entries("data.<split>", cls)))
     return sections
 
@@ -272,8 +278,8 @@ def scheduler_sections() -> list[Section]:
 def hook_sections() -> list[Section]:
     sections = [Section(anchor("hooks"), "hooks", "A list; each item names a hook and gives "
                         "its options.", table_entries("hooks[]", ITEM))]
-    for name, target in HOOKS.items():
-        cls = import_target(target, "hook", shown=name)
+    for name in HOOKS:
+        cls = HOOKS[name]
         meanings = docstring_args(cls)
         entries = tuple(entry if entry.meaning else replace(
             entry, meaning=meanings.get(entry.key.rpartition(".")[2], ""))

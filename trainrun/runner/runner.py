@@ -38,8 +38,8 @@ from trainrun.dist import (
     watch_ranks,
 )
 from trainrun.dist.heartbeat import Heartbeat, brief
-from trainrun.dist.text import first_line
 from trainrun.dist.timeouts import get_timeout
+from trainrun.messages import first_line
 from trainrun.runner.builder import (
     build_dataloader,
     build_metrics,

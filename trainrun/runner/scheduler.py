@@ -16,7 +16,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from trainrun.dist.text import closest, is_int, is_number, show
+from trainrun.messages import closest, is_int, is_number, show
 from trainrun.runner.schema import (
     REQUIRED,
     ConfigError,

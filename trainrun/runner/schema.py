@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
-from trainrun.dist.text import closest, is_int, is_number, show
+from trainrun.messages import closest, is_int, is_number, show
 
 # Names people write for a known key; used for "did you mean" when difflib finds nothing.
 ALIASES = {

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainrun.registry import TRACKERS
 from trainrun.runner.files import write_atomically
 from trainrun.runner.logging import get_logger
 from trainrun.runner.preemption import Preempted
@@ -253,15 +254,16 @@ def params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 # ---------------------------------------------------------------- by name
 
-BUILT_IN: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
-                             "mlflow": MLflowTracker}
+TRACKERS.register("tensorboard", TensorBoardTracker)
+TRACKERS.register("wandb", WandbTracker)
+TRACKERS.register("mlflow", MLflowTracker)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # they need
 
 
 def tracker_class(name: str) -> type:
     """The class of a shipped tracker by name, or of one by import path."""
-    if name in BUILT_IN:
-        return BUILT_IN[name]
+    if name in TRACKERS:
+        return TRACKERS[name]
     module, _, attribute = name.rpartition(".")
     return getattr(importlib.import_module(module), attribute)
 
@@ -300,7 +302,7 @@ def check_import_path(key: str, value: str) -> str:
 def check_backend(key: str, value: Any, own: tuple[str, ...]) -> str:
     """One ``logging.backends`` entry: one of ``own`` (the logger's own outputs) or of the
     shipped trackers (installed), or a tracker class by import path."""
-    known = (*own, *BUILT_IN)
+    known = (*own, *TRACKERS)
     if isinstance(value, str) and "." in value:
         return check_import_path(key, value)
     name = choice(*known)(key, value)
@@ -314,4 +316,4 @@ def check_backend(key: str, value: Any, own: tuple[str, ...]) -> str:
 def make_trackers(backends: list[str]) -> list[Any]:
     """A tracker for every entry of ``backends`` that names one (checked by ``check_backend``)."""
     return [tracker_class(name)() for name in backends
-            if name in BUILT_IN or "." in name]
+            if name in TRACKERS or "." in name]

@@ -1,15 +1,17 @@
 """Model wrappers: one file per strategy, all behind the `Strategy` interface.
 
-Adding a strategy is one new file with a `Strategy` subclass and one line in `STRATEGIES`
-(below). Everything outside this package that depends on the strategy (building it, reading
-a checkpoint, telling a wrapper from a plain model) asks the registry.
+Adding a strategy is one new file with a ``Strategy`` subclass and one
+``STRATEGIES.register`` line (below; the registry is ``trainrun.registry``'s). Everything
+outside this package that depends on the strategy (building it, reading a checkpoint, telling
+a wrapper from a plain model) asks the registry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trainrun.wrappers.base import STRATEGIES, Strategy, checkpoint_format
+from trainrun.registry import STRATEGIES
+from trainrun.wrappers.base import Strategy, checkpoint_format
 from trainrun.wrappers.base_model import BaseModel, parse_losses
 from trainrun.wrappers.contracts import ModelContract, OptimWrapperContract, StepOptimWrapper
 from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
@@ -18,11 +20,11 @@ from trainrun.wrappers.fsdp import FSDPStrategy, MMFullyShardedDataParallel
 from trainrun.wrappers.separate_ddp import MMSeparateDistributedDataParallel, SeparateDDPStrategy
 from trainrun.wrappers.single import SingleDeviceStrategy
 
-STRATEGIES["none"] = SingleDeviceStrategy
-STRATEGIES["ddp"] = DDPStrategy
-STRATEGIES["separate_ddp"] = SeparateDDPStrategy
-STRATEGIES["deepspeed"] = DeepSpeedStrategy
-STRATEGIES["fsdp"] = FSDPStrategy
+STRATEGIES.register("none", SingleDeviceStrategy)
+STRATEGIES.register("ddp", DDPStrategy)
+STRATEGIES.register("separate_ddp", SeparateDDPStrategy)
+STRATEGIES.register("deepspeed", DeepSpeedStrategy)
+STRATEGIES.register("fsdp", FSDPStrategy)
 
 
 def build_strategy(name: str, **options: Any) -> Strategy:

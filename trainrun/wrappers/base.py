@@ -4,7 +4,8 @@ the registry of strategies.
 A strategy takes the plain model, returns it wrapped for its kind of parallelism with its
 optimiser built over the right parameters, and knows how that pair is checkpointed and how its
 checkpoints are read. Adding a strategy is one new file with a subclass of ``Strategy`` and
-one line in ``STRATEGIES`` (trainrun/wrappers/__init__.py fills it with the shipped ones).
+one ``STRATEGIES.register`` line (``trainrun.registry``; trainrun/wrappers/__init__.py
+registers the shipped ones).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainrun.dist import barrier, is_main_process
-from trainrun.dist.text import first_line
+from trainrun.messages import first_line
+from trainrun.registry import STRATEGIES
 from trainrun.wrappers.memory import ParamSpec, StateBytes, optimizer_tensors, replicated
 
 log = logging.getLogger("trainrun")
@@ -711,13 +713,7 @@ def written_sha256(path: str | os.PathLike) -> str:
     return sha256_of(path)
 
 
-# ---------------------------------------------------------------- the registry
-
-# Every strategy by the name `strategy.type` gives it; trainrun/wrappers/__init__.py registers
-# the shipped ones, one line each. It lives here, beside the interface, so that reading a
-# checkpoint (`load_state_file`) asks it without importing the strategies' files.
-STRATEGIES: dict[str, type[Strategy]] = {}
-
+# ---------------------------------------------------------------- checkpoint formats
 
 def checkpoint_format(path: str | os.PathLike) -> type[Strategy]:
     """The strategy class that reads the checkpoint ``path``: the first registered one whose

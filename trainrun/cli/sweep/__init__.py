@@ -72,7 +72,7 @@ from trainrun.cli.sweep.status import (
     write_manifest,
 )
 from trainrun.cli.sweep.summary import write_summary
-from trainrun.dist.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from trainrun.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
 # ---------------------------------------------------------------- command line
 

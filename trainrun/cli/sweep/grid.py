@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainrun.dist.text import show
+from trainrun.messages import show
 
 # keys the sweep sets itself for every point
 RESERVED = ("name", "work_dir", "launcher", "resume")

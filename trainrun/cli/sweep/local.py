@@ -16,7 +16,7 @@ from trainrun.cli import TRAIN
 from trainrun.cli.sweep.grid import Point, Sweep, point_launcher, train_args
 from trainrun.cli.sweep.slurm import active_tasks
 from trainrun.cli.sweep.status import LOG, ended, progress, to_train, write_status
-from trainrun.dist.exits import EXIT_FAILED, EXIT_OK
+from trainrun.exits import EXIT_FAILED, EXIT_OK
 
 
 def local_command(sweep: Sweep, point: Point) -> list[str]:

@@ -29,7 +29,7 @@ from trainrun.cli.sweep.status import (
     to_train,
     write_status,
 )
-from trainrun.dist.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from trainrun.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from trainrun.runner.files import write_atomically
 
 JOBS = "slurm_jobs.txt"  # the job arrays the sweep submitted, one line each

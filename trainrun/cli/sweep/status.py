@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.cli.sweep.grid import Point, Sweep, SweepError
-from trainrun.dist.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
+from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
 from trainrun.runner.files import write_atomically
 
 MANIFEST, STATUS, LOG = "sweep.json", "sweep_status.json", "sweep.log"

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainrun.dist.text import closest, is_int
+from trainrun.messages import closest, is_int
 from trainrun.runner.checkpoint import MAX_KEEP
 from trainrun.runner.hooks.base import CHECKPOINT, Hook, every
 from trainrun.runner.logging import get_logger

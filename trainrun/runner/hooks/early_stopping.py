@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainrun.dist import broadcast_object_list
-from trainrun.dist.text import closest
+from trainrun.messages import closest
 from trainrun.runner.hooks.base import NORMAL, Hook
 from trainrun.runner.hooks.checkpoint import best_rule_for, improves
 from trainrun.runner.logging import get_logger

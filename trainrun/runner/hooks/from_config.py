@@ -6,7 +6,7 @@
       - {type: EarlyStopping, metric: accuracy, patience: 3}
       - {type: my_project.hooks.GradNorm, priority: before_checkpoint, every: 10}
 
-``type`` is a shipped hook's name (`trainrun.examples.HOOKS`) or an import path, as for
+``type`` is a shipped hook's name (``trainrun.registry.HOOKS``) or an import path, as for
 ``model.type``; ``priority`` (optional) is an int or ``before_<slot>`` / ``after_<slot>`` for
 a built-in slot of `hooks.base` (timer, logger, validation, normal, checkpoint, preemption),
 and wins over the class's own; the other keys are the hook's options. All of it is checked
@@ -22,8 +22,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainrun.dist.text import first_line, is_int
-from trainrun.examples import resolve
+from trainrun.messages import first_line, is_int
+from trainrun.registry import resolve
 from trainrun.runner.hooks.base import SLOTS, Hook
 from trainrun.runner.schema import (
     OPTIONAL,

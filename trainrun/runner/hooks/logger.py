@@ -24,13 +24,14 @@ from typing import Any
 import torch
 
 from trainrun.dist import Handle, gather_rows, is_main_process
+from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.hooks.timer import Window
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.schema import BOOL, expects, fields, integer, names
-from trainrun.runner.trackers import BUILT_IN, check_backend, make_trackers
+from trainrun.runner.trackers import check_backend, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
 BACKENDS = ("console", "jsonl")  # where they go by default; the logger's own outputs
@@ -371,7 +372,7 @@ def resuming(runner: Any) -> bool:
     return start is not None and start[0] == "resume"
 
 
-BACKEND = expects(f"one of {', '.join((*BACKENDS, *BUILT_IN))} or a tracker class by import "
+BACKEND = expects(f"one of {', '.join((*BACKENDS, *TRACKERS))} or a tracker class by import "
                   f"path", partial(check_backend, own=BACKENDS))
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from trainrun.dist import gather_object, is_main_process
-from trainrun.dist.text import is_int
+from trainrun.messages import is_int
 from trainrun.runner.hooks.base import PROFILER, Hook
 from trainrun.runner.logging import get_logger
 from trainrun.runner.schema import BOOL, expects, fields, integer, rule

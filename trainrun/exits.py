@@ -1,6 +1,6 @@
 """The exit codes of trainrun's processes: the command lines, sweep and verify_resume read
-and return them, and a rank that the heartbeat stops uses one. Kept here, at the bottom of the
-package, so that every layer can import them."""
+and return them. A leaf module, so that every layer above ``dist/`` can import it (``dist/``
+imports nothing else of trainrun; its heartbeat writes EXIT_FAILED out as RANK_LOST_EXIT)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a failure while running (also a rank stopped because its job was lost)

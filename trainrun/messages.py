@@ -1,5 +1,6 @@
-"""Small helpers for one-line messages, shared by every layer (the config checks, the reports
-of the command lines, the heartbeat): type tests and message parts."""
+"""Small helpers for one-line messages, shared by the layers above ``dist/`` (the config
+checks, the reports of the command lines, the checkpoint readers): type tests and message
+parts. A leaf module: it imports nothing of trainrun."""
 
 from __future__ import annotations
 
