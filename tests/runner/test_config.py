@@ -10,7 +10,6 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainrun.runner.builder import optimizer_factory, wrap_optimizers
 from trainrun.runner.config import (
     LOADER_KEYS,
     ConfigError,
@@ -18,6 +17,7 @@ from trainrun.runner.config import (
     load_config,
     strategy_options,
 )
+from trainrun.runner.optim import optimizer_factory, wrap_optimizers
 
 MINIMAL = """\
 model: {type: digits_mlp}

@@ -14,13 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 import trainrun.dist as dist
 from tests.runner.toy import ToyModel, batch_of, flat_grads, flat_params
-from trainrun.runner.optim import (
-    OptimWrapper,
-    OptimWrapperDict,
-    build_optimizer,
-    grad_norms,
-    measure_grad_norm,
-)
+from trainrun.runner.optim import OptimWrapper, OptimWrapperDict, build_optimizer
+from trainrun.runner.optim.wrapper import grad_norms, measure_grad_norm
 from trainrun.wrappers import MMDistributedDataParallel
 
 # ---------------------------------------------------------------- build_optimizer

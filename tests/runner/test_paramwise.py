@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from tests.runner.toy import ToyModel
-from trainrun.runner.builder import optimizer_factory, plan_param_groups
+from trainrun.runner.builder import plan_param_groups
 from trainrun.runner.config import ConfigError, check
-from trainrun.runner.optim import check_optim_section
-from trainrun.runner.paramwise import describe_groups, param_groups
+from trainrun.runner.optim import optimizer_factory
+from trainrun.runner.optim.param_groups import describe_groups, param_groups
+from trainrun.runner.optim.section import check_optim_section
 from trainrun.wrappers import BaseModel
 
 
@@ -217,7 +218,7 @@ def test_describe_groups_counts_tensors_and_elements():
 
 
 def test_a_min_lr_above_a_groups_rate_is_refused_naming_the_group():
-    from trainrun.runner.scheduler import build_scheduler
+    from trainrun.runner.optim import build_scheduler
 
     optim = check_optim_section("optim", {"type": "SGD", "lr": 0.1, "paramwise": {
         "custom_keys": {"head": {"lr_mult": 0.01}}}})

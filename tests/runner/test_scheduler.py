@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainrun.runner.scheduler import (
+from trainrun.runner.optim.schedulers import (
     SCHEDULERS,
     build_scheduler,
     check_scheduler,

@@ -152,7 +152,7 @@ def test_checkpoints_carry_the_plain_models_keys(run_on, tmp_path):
 
 
 def _gan_body():
-    from trainrun.runner.builder import optimizer_factory, wrap_optimizers
+    from trainrun.runner.optim import optimizer_factory, wrap_optimizers
 
     torch.manual_seed(dist.get_rank())
     make = optimizer_factory({"type": "Adam", "lr": 1e-3,

@@ -18,25 +18,16 @@ from trainrun.dist import get_dist_info
 from trainrun.messages import first_line
 from trainrun.registry import STRATEGIES, resolve
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.optim import (
-    GROUP_KEYS,
+from trainrun.runner.optim.factory import (
     WRAPPER_KEYS,
-    OptimWrapper,
-    OptimWrapperDict,
-    build_optimizer,
-    optimizer_default,
+    optimizer_factory,
+    own_options,
     state_tensors,
 )
-from trainrun.runner.paramwise import (
-    Group,
-    check_paramwise,
-    describe_groups,
-    param_groups,
-    unmatched_warning,
-)
+from trainrun.runner.optim.param_groups import uses_paramwise
+from trainrun.runner.optim.schedulers import check_floors
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
-from trainrun.runner.scheduler import check_floors
 from trainrun.runner.schema import (
     BOOL,
     OPTIONAL,
@@ -58,7 +49,6 @@ from trainrun.runner.schema import (
     unknown_key,
 )
 from trainrun.runner.seed import seed_worker
-from trainrun.wrappers.base import Optimizers
 from trainrun.wrappers.memory import StateBytes, param_specs
 
 log = logging.getLogger("trainrun")
@@ -305,77 +295,6 @@ def check_batches(key: str, dataset_length: int, world_size: int, batch_size: in
                       f"to false")
 
 
-def optimizer_factory(cfg: Mapping[str, Any], on_warning: Callable[[str], None] | None = None,
-                      on_groups: Callable[[list[str]], None] | None = None) -> Any:
-    """A function building the optimiser(s) of ``cfg`` over a module: one, or one per
-    submodule named in ``per_module`` (each with its own overrides). With ``paramwise`` the
-    parameters go in groups (`trainrun.runner.paramwise`), described (one line each) to
-    ``on_groups``; a custom key that matches no parameter is told to ``on_warning``."""
-    common = {k: v for k, v in cfg.items() if k not in WRAPPER_KEYS and v is not None}
-    per_module = cfg.get("per_module")
-
-    def make(module: nn.Module) -> Optimizers:
-        if not per_module:
-            optimizer, unmatched = _optimizer(module, common)
-            _tell(optimizer, "", common, on_groups)
-            _warn_unmatched({"optim.paramwise": set(unmatched)}, on_warning)
-            return optimizer
-        optimizers, missed = {}, {}
-        for name, overrides in per_module.items():
-            options = {**common, **_own(overrides)}
-            optimizers[name], unmatched = _optimizer(getattr(module, name), options,
-                                                     f"{name}.")
-            _tell(optimizers[name], name, options, on_groups)
-            # a shared key is unmatched only where no submodule sharing it matched it
-            where = (f"optim.per_module.{name}.paramwise" if "paramwise" in (overrides or {})
-                     else "optim.paramwise")
-            missed[where] = missed.get(where, set(unmatched)) & set(unmatched)
-        _warn_unmatched(missed, on_warning)
-        return optimizers
-
-    return make
-
-
-def _tell(optimizer: torch.optim.Optimizer, scope: str, options: Mapping[str, Any],
-          on_groups: Callable[[list[str]], None] | None) -> None:
-    """Describe ``optimizer``'s groups to ``on_groups`` where paramwise made them."""
-    if on_groups is not None and options.get("paramwise") is not None:
-        on_groups(describe_groups(optimizer, scope))
-
-
-def _optimizer(module: nn.Module, options: Mapping[str, Any],
-               prefix: str = "") -> tuple[torch.optim.Optimizer, list[str]]:
-    """The optimiser ``options`` describe over ``module``'s parameters (in groups when
-    ``paramwise`` is set), and the custom keys that matched none of them."""
-    groups, unmatched = module_groups(module, options, prefix)
-    arguments = {k: v for k, v in options.items() if k not in GROUP_KEYS}
-    if groups is None:
-        return build_optimizer(module.parameters(), arguments), []
-    return build_optimizer([g.as_optimizer_group() for g in groups], arguments), unmatched
-
-
-def module_groups(module: nn.Module, optim: Mapping[str, Any],
-                  prefix: str = "") -> tuple[list[Group] | None, list[str]]:
-    """``module``'s parameter groups under ``optim`` (a checked optim section, or one
-    optimiser's options), or None where ``optim.paramwise`` is not set; and the custom keys
-    that matched no parameter. The base weight decay is the optimiser's default where
-    ``optim`` does not give it."""
-    if optim.get("paramwise") is None:
-        return None, []
-    decay = optim.get("weight_decay", optimizer_default(optim.get("type", "AdamW"),
-                                                        "weight_decay"))
-    paramwise = check_paramwise("optim.paramwise", optim["paramwise"],
-                                has_decay=decay is not None)
-    return param_groups(module, optim.get("lr", 1e-3), decay, paramwise, prefix)
-
-
-def uses_paramwise(optim: Mapping[str, Any]) -> bool:
-    """Whether a checked optim section makes parameter groups (for any of its optimisers)."""
-    return optim.get("paramwise") is not None or any(
-        (overrides or {}).get("paramwise") is not None
-        for overrides in (optim.get("per_module") or {}).values())
-
-
 def build_meta_model(cfg: Mapping[str, Any]) -> nn.Module | Exception:
     """The config's model built on the meta device (shapes without memory or weights: a
     7B-parameter model in seconds), or the error that stopped it (a config error raises):
@@ -454,7 +373,9 @@ def _states_of(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
         if not per_module:
             return state_tensors(common)
         head = name.partition(".")[0]
-        return state_tensors({**common, **_own(per_module[head])}) if head in per_module else 0
+        if head not in per_module:
+            return 0
+        return state_tensors({**common, **own_options(per_module[head])})
 
     return states
 
@@ -462,36 +383,6 @@ def _states_of(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
 def _unlisted(error: Exception) -> str:
     return (f"not listed here: the model cannot be built on the meta device "
             f"({type(error).__name__}: {first_line(error)}); the run's log lists them")
-
-
-def _warn_unmatched(missed: Mapping[str, set[str]],
-                    on_warning: Callable[[str], None] | None) -> None:
-    for where, keys in missed.items():
-        for key in sorted(keys):
-            (on_warning or log.warning)(unmatched_warning(where, key))
-
-
-def _own(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A submodule's overrides that are its optimiser's (not its wrapper's clip_grad or
-    accumulate)."""
-    return {k: v for k, v in (overrides or {}).items() if k not in WRAPPER_KEYS}
-
-
-def wrap_optimizers(optimizer: Optimizers, cfg: Mapping[str, Any], precision: str,
-                    device_type: str) -> OptimWrapper | OptimWrapperDict:
-    """Each optimiser in its wrapper; one of ``per_module`` gets that submodule's clip_grad
-    and accumulate where it overrides them."""
-    def wrap(one: torch.optim.Optimizer, overrides: Mapping[str, Any] | None) -> OptimWrapper:
-        options = {**cfg, **(overrides or {})}
-        return OptimWrapper(one, accumulate=options.get("accumulate", 1),
-                            clip_grad=options.get("clip_grad"), precision=precision,
-                            device_type=device_type)
-
-    if isinstance(optimizer, Mapping):
-        per_module = cfg.get("per_module") or {}
-        return OptimWrapperDict({name: wrap(opt, per_module.get(name))
-                                 for name, opt in optimizer.items()})
-    return wrap(optimizer, None)
 
 
 # ---------------------------------------------------------------- the model and data sections

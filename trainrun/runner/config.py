@@ -33,9 +33,10 @@ from trainrun.runner.hooks.from_config import check_hooks
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.inherit import MARKERS, read_with_bases
 from trainrun.runner.loops import check_schedule
-from trainrun.runner.optim import PRECISIONS, check_optim_section
+from trainrun.runner.optim.schedulers import check_scheduler, check_total_iters
+from trainrun.runner.optim.section import check_optim_section
+from trainrun.runner.optim.wrapper import PRECISIONS
 from trainrun.runner.preemption import PREEMPTION
-from trainrun.runner.scheduler import check_scheduler, check_total_iters
 from trainrun.runner.schema import (
     BOOL,
     REQUIRED,

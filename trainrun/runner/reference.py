@@ -24,11 +24,12 @@ from trainrun.runner.hooks.checkpoint import CHECKPOINT
 from trainrun.runner.hooks.from_config import ITEM
 from trainrun.runner.hooks.logger import LOGGING
 from trainrun.runner.loops import SCHEDULE
-from trainrun.runner.optim import CLIP_GRAD_KEYS, optim_table, optimizer_arguments
-from trainrun.runner.paramwise import CUSTOM_KEY_OPTIONS, PARAMWISE
+from trainrun.runner.optim.factory import optimizer_arguments
+from trainrun.runner.optim.param_groups import CUSTOM_KEY_OPTIONS, PARAMWISE
+from trainrun.runner.optim.schedulers import _TYPE as SCHEDULER_TYPE
+from trainrun.runner.optim.schedulers import SCHEDULER_OPTIONS
+from trainrun.runner.optim.section import CLIP_GRAD_KEYS, optim_table
 from trainrun.runner.preemption import PREEMPTION_KEYS
-from trainrun.runner.scheduler import _TYPE as SCHEDULER_TYPE
-from trainrun.runner.scheduler import SCHEDULER_OPTIONS
 from trainrun.runner.schema import OPTIONAL, REQUIRED, Fields, expected_of
 from trainrun.runner.seed import RANDOMNESS_KEYS
 

@@ -48,9 +48,7 @@ from trainrun.runner.builder import (
     check_loader,
     check_set_name,
     named_sets,
-    optimizer_factory,
     unsized_epochs,
-    wrap_optimizers,
 )
 from trainrun.runner.checkpoint import (
     CheckpointManager,
@@ -87,9 +85,9 @@ from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
 from trainrun.runner.manifest import DamagedCheckpoint, verify_checkpoint
+from trainrun.runner.optim import build_scheduler, optimizer_factory, wrap_optimizers
 from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_signals
 from trainrun.runner.sampler import ResumableSampler
-from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
 from trainrun.runner.stream import is_sized, is_stream, stream_warnings
 from trainrun.wrappers import Strategy, build_strategy

@@ -3,7 +3,7 @@
 A check is a function ``(dotted key, value) -> value`` that returns the value normalised or
 raises `ConfigError`, one line naming the key, the value and what was expected (with "did you
 mean" where a near name exists). Each section's table lives beside the code that uses the
-section (`seed.py`, `builder.py`, `optim.py`, ...); `config.py` puts them together.
+section (`seed.py`, `builder.py`, `optim/section.py`, ...); `config.py` puts them together.
 """
 
 from __future__ import annotations

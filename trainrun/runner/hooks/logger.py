@@ -28,7 +28,7 @@ from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.hooks.timer import Window
 from trainrun.runner.logging import get_logger
-from trainrun.runner.optim import grad_norms, measure_grad_norm
+from trainrun.runner.optim.wrapper import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.schema import BOOL, expects, fields, integer, names
 from trainrun.runner.trackers import check_backend, make_trackers

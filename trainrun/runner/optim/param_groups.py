@@ -210,3 +210,10 @@ def describe_groups(optimizer: Any, scope: str = "") -> list[str]:
 def unmatched_warning(where: str, key: str, scope: str = "the model") -> str:
     return (f"{join(join(where, 'custom_keys'), key)}: matches no parameter of {scope} "
             f"(a key is a part of a parameter's full name); it changes nothing")
+
+
+def uses_paramwise(optim: Mapping[str, Any]) -> bool:
+    """Whether a checked optim section makes parameter groups (for any of its optimisers)."""
+    return optim.get("paramwise") is not None or any(
+        (overrides or {}).get("paramwise") is not None
+        for overrides in (optim.get("per_module") or {}).values())
