@@ -30,9 +30,9 @@ import torch
 from gloo_ranks import run_on_ranks
 from omegaconf import OmegaConf
 
-from trainrun.runner.builder import build_meta_model, plan_memory
 from trainrun.runner.config import load_config
 from trainrun.runner.memory_watch import watch_memory
+from trainrun.runner.plan import build_meta_model, plan_memory
 from trainrun.runner.runner import Runner
 from trainrun.wrappers.memory import KINDS, StateBytes
 

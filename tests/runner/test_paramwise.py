@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from tests.runner.toy import ToyModel
-from trainrun.runner.builder import plan_param_groups
 from trainrun.runner.config import ConfigError, check
 from trainrun.runner.optim import optimizer_factory
 from trainrun.runner.optim.param_groups import describe_groups, param_groups
 from trainrun.runner.optim.section import check_optim_section
+from trainrun.runner.plan import plan_param_groups
 from trainrun.wrappers import BaseModel
 
 

@@ -14,10 +14,10 @@ import torch
 from omegaconf import OmegaConf
 
 from trainrun.cli import train as train_tool
-from trainrun.runner.builder import plan_memory
 from trainrun.runner.config import load_config
 from trainrun.runner.memory_watch import watch_memory
 from trainrun.runner.optim.factory import _STATES, state_tensors
+from trainrun.runner.plan import plan_memory
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import STRATEGIES as STRATEGY_CLASSES
 from trainrun.wrappers.memory import KINDS, param_specs

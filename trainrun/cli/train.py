@@ -24,29 +24,22 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.launch import launch_workers, leave_report
-from trainrun.cli.plan import describe_plan, env_rank, env_world_size
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.messages import first_line
-from trainrun.runner.builder import (
-    build_meta_model,
-    check_batches,
-    check_types,
-    plan_memory,
-    plan_param_groups,
-)
+from trainrun.runner.builder import check_types
 from trainrun.runner.config import (
     LAUNCHERS,
     ConfigError,
-    dataset_kwargs,
     load_config,
     saved_config_changes,
 )
+from trainrun.runner.plan import describe_plan, env_rank, make_plan
 from trainrun.runner.preemption import Preempted
 
 
@@ -429,60 +422,12 @@ def run(cfg: DictConfig, method: str) -> int:
     return EXIT_OK
 
 
-def train_set_length(cfg: DictConfig) -> tuple[int | None, str | None]:
-    """The train set's length, built through ``trainrun.examples.resolve``, or None and why."""
-    from torch.utils.data import IterableDataset
-
-    try:
-        from trainrun.registry import resolve
-    except ImportError:
-        return None, "trainrun.examples.resolve is not available"
-    train = cfg.data.train
-    try:
-        dataset = resolve("dataset", train.type)(**dataset_kwargs(train))
-        if isinstance(dataset, IterableDataset):  # dealt to ranks in rounds, not by a sampler
-            return None, f"data.train is a stream ({type(dataset).__name__}, an IterableDataset)"
-        return len(dataset), None
-    except Exception as error:  # a plan reports what it cannot know, it does not fail
-        return None, (f"could not build data.train: {type(error).__name__}: "
-                      f"{first_line(error)}")
-
-
-@dataclass
-class Plan:
-    """What a dry run finds beyond the config checks: the train set's length (or why it is
-    unknown), the parameter groups, the memory per rank, and warnings about them."""
-
-    world_size: int
-    length: int | None
-    why: str | None
-    groups: Any
-    memory: Any
-    warnings: list[str]
-
-
-def make_plan(job: Job) -> Plan:
-    """The dry run's checks on the built parts: a training set that leaves no batch, and
-    options the model (built on the meta device) refuses, raise ConfigError, as the run
-    would refuse them."""
-    world_size = job.world_size or env_world_size(job.cfg.launcher)[0]
-    length, why = train_set_length(job.cfg)
-    if length is not None:
-        train = job.cfg.data.train
-        check_batches("data.train", length, world_size, train.batch_size, train.drop_last)
-    plain = OmegaConf.to_container(job.cfg, resolve=True)
-    model = build_meta_model(plain)  # once, for the groups and the memory plan
-    groups, warnings = plan_param_groups(plain, model)
-    memory = plan_memory(plain, world_size, model)
-    return Plan(world_size, length, why, groups, memory, warnings)
-
-
 def dry_run(job: Job) -> int:
     """Print the plan (rank 0 only); nothing is initialised or written. A training set that
     leaves no batch is refused (exit 2), as the run would refuse it."""
     if _rank(job.cfg) == 0:
         try:
-            plan = make_plan(job)
+            plan = make_plan(job.cfg, job.world_size)
         except ConfigError as error:
             return _usage_error(error)
         for warning in plan.warnings:
@@ -498,7 +443,7 @@ def launch(job: Job, nproc: int) -> int:
     """``--nproc``: refuse here what a dry run for ``nproc`` ranks refuses (exit 2, no worker
     started), then start the workers; the workers' rank 0 says the config's warnings."""
     try:
-        make_plan(job)
+        make_plan(job.cfg, job.world_size)
     except ConfigError as error:
         return _usage_error(error)
     return launch_workers(nproc, job.worker_args)

@@ -1,12 +1,16 @@
-"""Building a run's parts (model, data loaders, metrics, optimisers) from config sections."""
+"""Building a run's parts (the model, data loaders, metrics) from config sections, and the
+model and data sections' tables and checks.
+
+The optimiser is the ``trainrun.runner.optim`` package's; the dry run's plan is
+``trainrun.runner.plan``'s.
+"""
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -16,16 +20,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from trainrun.dist import get_dist_info
 from trainrun.messages import first_line
-from trainrun.registry import STRATEGIES, resolve
+from trainrun.registry import resolve
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.optim.factory import (
-    WRAPPER_KEYS,
-    optimizer_factory,
-    own_options,
-    state_tensors,
-)
-from trainrun.runner.optim.param_groups import uses_paramwise
-from trainrun.runner.optim.schedulers import check_floors
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
 from trainrun.runner.schema import (
@@ -49,9 +45,6 @@ from trainrun.runner.schema import (
     unknown_key,
 )
 from trainrun.runner.seed import seed_worker
-from trainrun.wrappers.memory import StateBytes, param_specs
-
-log = logging.getLogger("trainrun")
 
 DEFAULT_BATCH_SIZE = 32
 # DataLoader options of a data section, each filled with its default; the rest (but `type`,
@@ -293,96 +286,6 @@ def check_batches(key: str, dataset_length: int, world_size: int, batch_size: in
                       f"samples of the training set{ranks}; with drop_last: true no batch is "
                       f"left to train on: set batch_size to at most {share}, or drop_last "
                       f"to false")
-
-
-def build_meta_model(cfg: Mapping[str, Any]) -> nn.Module | Exception:
-    """The config's model built on the meta device (shapes without memory or weights: a
-    7B-parameter model in seconds), or the error that stopped it (a config error raises):
-    what the dry run plans parameter groups and memory on."""
-    try:
-        with torch.device("meta"):
-            return build_model(cfg["model"])
-    except ConfigError:
-        raise
-    except Exception as error:  # a plan reports what it cannot know, it does not fail
-        return error
-
-
-def plan_param_groups(cfg: Mapping[str, Any], model: nn.Module | Exception | None = None
-                      ) -> tuple[list[str] | str | None, list[str]]:
-    """The lines the run's log will list of its parameter groups, and the warnings about
-    them, for the dry run: its optimiser(s) over the model built on the meta device
-    (``model``, built here where not given). None where no ``paramwise`` is set; for a model
-    that cannot be built there, a line saying so instead of the list (a config error
-    raises)."""
-    optim = cfg["optim"]
-    if not uses_paramwise(optim):
-        return None, []
-    lines: list[str] = []
-    warnings: list[str] = []
-    model = build_meta_model(cfg) if model is None else model
-    if isinstance(model, Exception):
-        return _unlisted(model), []
-    try:
-        with torch.device("meta"):
-            optimizers = optimizer_factory(optim, warnings.append, lines.extend)(model)
-        for optimizer in optimizers.values() if isinstance(optimizers, Mapping) \
-                else [optimizers]:
-            check_floors(cfg.get("scheduler"), optimizer)
-    except ConfigError:
-        raise
-    except ValueError as error:
-        if str(error).startswith("scheduler."):  # a min_lr above a group's rate
-            raise ConfigError(str(error)) from None
-        return _unlisted(error), []
-    except Exception as error:  # a plan reports what it cannot know, it does not fail
-        return _unlisted(error), []
-    return lines, warnings
-
-
-def plan_memory(cfg: Mapping[str, Any], world_size: int,
-                model: nn.Module | Exception | None = None) -> StateBytes | str:
-    """The most bytes of parameters, gradients and optimiser state a rank of ``world_size``
-    will hold, as the config's strategy plans them (`Strategy.memory_plan`) on the model
-    built on the meta device (``model``, built here where not given); or why not. An option
-    the model refuses is a ConfigError, as the run would refuse it."""
-    model = build_meta_model(cfg) if model is None else model
-    if isinstance(model, Exception):
-        return (f"not planned: the model cannot be built on the meta device "
-                f"({type(model).__name__}: {first_line(model)})")
-    specs = param_specs(model, _states_of(cfg["optim"]))
-    try:
-        plan = STRATEGIES[cfg["strategy"]["type"]].memory_plan(specs, world_size, cfg, model)
-    except ValueError as error:  # an option the model refuses (fsdp's wrap classes)
-        raise ConfigError(first_line(error)) from None
-    total = sum(spec.numel for spec in specs)
-    trainable = sum(spec.numel for spec in specs if spec.trainable)
-    share = "all" if trainable == total else f"{trainable:,}"
-    plan.notes.insert(0, f"{total:,} parameters ({share} trainable), counted on the model "
-                         f"built on the meta device")
-    return plan
-
-
-def _states_of(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
-    """The optimiser state tensors of a parameter, by its name (`optim.state_tensors` of the
-    optimiser holding it; 0 where none does)."""
-    common = {k: v for k, v in optim.items() if k not in WRAPPER_KEYS and v is not None}
-    per_module = optim.get("per_module") or {}
-
-    def states(name: str) -> int | None:
-        if not per_module:
-            return state_tensors(common)
-        head = name.partition(".")[0]
-        if head not in per_module:
-            return 0
-        return state_tensors({**common, **own_options(per_module[head])})
-
-    return states
-
-
-def _unlisted(error: Exception) -> str:
-    return (f"not listed here: the model cannot be built on the meta device "
-            f"({type(error).__name__}: {first_line(error)}); the run's log lists them")
 
 
 # ---------------------------------------------------------------- the model and data sections

@@ -1,6 +1,6 @@
 """Optimisers from the config's ``optim`` section: any ``torch.optim`` class by name, one per
 submodule where ``per_module`` says so, over parameter groups where ``paramwise`` does
-(`trainrun.runner.optim.param_groups`), each in its `OptimWrapper`; and what each optimiser
+(``trainrun.runner.optim.param_groups``), each in its ``OptimWrapper``; and what each optimiser
 keeps per parameter, for the memory plan.
 """
 

@@ -1,6 +1,6 @@
 """The ``optim`` section of a config: the optimiser's type and arguments (checked against
 its signature), the wrapper's ``clip_grad``, ``accumulate`` and ``per_module``, and
-``paramwise`` (checked by `trainrun.runner.optim.param_groups`).
+``paramwise`` (checked by ``trainrun.runner.optim.param_groups``).
 """
 
 from __future__ import annotations
