@@ -43,12 +43,12 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
                     nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", None),
                     nn.LocalResponseNorm) if cls is not None)
 
-MULT = number(at_least=0)
+check_multiplier = number(at_least=0)
 CUSTOM_KEY_OPTIONS = {
-    "lr_mult": (1.0, MULT, "the matched parameters' learning rate, times optim.lr"),
-    "decay_mult": (1.0, MULT, "their weight decay, times optim.weight_decay"),
+    "lr_mult": (1.0, check_multiplier, "the matched parameters' learning rate, times optim.lr"),
+    "decay_mult": (1.0, check_multiplier, "their weight decay, times optim.weight_decay"),
 }
-CUSTOM_KEY = section(CUSTOM_KEY_OPTIONS)
+check_custom_key_options = section(CUSTOM_KEY_OPTIONS)
 DECAY_MULTS = ("bias_decay_mult", "norm_decay_mult")
 
 
@@ -63,17 +63,18 @@ def check_custom_keys(key: str, value: Any) -> dict[str, dict[str, float]]:
     for name, options in value.items():
         if not isinstance(name, str) or not name.strip():
             raise bad_value(key, name, "parameter names (or parts of them) as non-empty strings")
-        out[name] = CUSTOM_KEY(join(key, name), {} if options is None else options)
+        out[name] = check_custom_key_options(join(key, name), {} if options is None else options)
     return out
 
 
 check_custom_keys.expected = "a mapping of names to {lr_mult, decay_mult}"  # type: ignore
 
 PARAMWISE: Fields = {
-    "bias_lr_mult": (None, nullable(MULT),
+    "bias_lr_mult": (None, nullable(check_multiplier),
                      "learning-rate multiplier of parameters named bias (not norm layers')"),
-    "bias_decay_mult": (None, nullable(MULT), "weight-decay multiplier of those biases"),
-    "norm_decay_mult": (None, nullable(MULT),
+    "bias_decay_mult": (None, nullable(check_multiplier),
+                        "weight-decay multiplier of those biases"),
+    "norm_decay_mult": (None, nullable(check_multiplier),
                         "weight-decay multiplier of normalisation layers' parameters"),
     "custom_keys": ({}, check_custom_keys,
                     "{part of a parameter's name: {lr_mult, decay_mult}}; the longest "

@@ -42,16 +42,16 @@ def _milestones(key: str, value: Any) -> list[int]:
 
 _milestones.expected = "a list of increasing ints >= 1 (iterations)"  # type: ignore[attr-defined]
 
-_FACTOR = rule("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1)
+_check_factor = rule("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1)
 _GAMMA = (0.1, number(above=0), "the factor the rate is multiplied by at each step")
 _WARMUP: Fields = {
     "warmup_iters": (0, integer(0),
                      "iterations of linear warm-up before the schedule (0: none)"),
-    "warmup_start_factor": (0.1, _FACTOR,
+    "warmup_start_factor": (0.1, _check_factor,
                             "the warm-up's first rate, as a factor of the base rate"),
 }
 _DECAY: Fields = {
-    "min_lr_ratio": (None, nullable(_FACTOR),
+    "min_lr_ratio": (None, nullable(_check_factor),
                      "where the decay ends, as a factor of each group's rate (default 0)"),
     "min_lr": (None, nullable(number(at_least=0)),
                "where the decay ends, as a rate (instead of min_lr_ratio)"),
@@ -85,7 +85,7 @@ SCHEDULER_OPTIONS: dict[str, Fields] = {
     "linear_warmup": {
         "warmup_iters": (REQUIRED, integer(1),
                          "iterations from start_factor up to the base rate, which then stays"),
-        "start_factor": (0.1, _FACTOR, "the first rate, as a factor of the base rate"),
+        "start_factor": (0.1, _check_factor, "the first rate, as a factor of the base rate"),
     },
 }
 SCHEDULERS: tuple[str, ...] = tuple(SCHEDULER_OPTIONS)

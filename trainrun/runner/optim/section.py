@@ -42,8 +42,8 @@ CLIP_GRAD_KEYS = {
                            "raise when the norm is nan or inf (torch's clip_grad_norm_)"),
     "foreach": (OPTIONAL, nullable(BOOL), "torch's clip_grad_norm_ foreach option"),
 }
-CLIP_GRAD = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}",
-                    section(CLIP_GRAD_KEYS))
+check_clip_grad_options = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}",
+                                  section(CLIP_GRAD_KEYS))
 
 
 def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
@@ -53,11 +53,11 @@ def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
     if is_number(value):
         value = {"max_norm": value}
     if not isinstance(value, Mapping):
-        raise bad_value(key, value, expected_of(CLIP_GRAD))
-    return CLIP_GRAD(key, value)
+        raise bad_value(key, value, expected_of(check_clip_grad_options))
+    return check_clip_grad_options(key, value)
 
 
-check_clip_grad.expected = expected_of(CLIP_GRAD)  # type: ignore[attr-defined]
+check_clip_grad.expected = expected_of(check_clip_grad_options)  # type: ignore[attr-defined]
 
 
 def optim_table(kind: str, arguments: set[str] | None) -> Fields:
