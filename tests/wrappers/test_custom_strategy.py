@@ -9,12 +9,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.records import losses
 from tests.runner.toy import straight_crash_resume
+from tests.runs import shared_run
 from trainrun.cli import export as export_tool
 from trainrun.cli import train as train_tool
 from trainrun.dist import barrier, get_rank
@@ -82,8 +82,10 @@ def _train_crash_resume(config: str, root: str) -> list[str]:
         del STRATEGIES["per_rank_ddp"]
 
 
-@pytest.fixture(scope="module")
+@shared_run
 def trained(run_on, tmp_path_factory):
+    """The straight and the crashed-then-resumed run, trained once a session (here, not in
+    tests/runs.py: docs/own-strategy.md shows the code they run from this file)."""
     root = tmp_path_factory.mktemp("custom")
     config = root / "per_rank.yaml"
     config.write_text(CONFIG)
