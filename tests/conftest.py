@@ -1,14 +1,20 @@
-"""Fixtures shared by every test: running a body on the ranks of a real gloo group."""
+"""Fixtures shared by every test: running a body on the ranks of a real gloo group, a local
+SLURM, an environment without any launcher's variables, and (from tests/runs.py) the runs the
+tests train once and share."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from tests import slurm_cluster
+from tests.cli import env, is_launcher_variable, use_env
 from tests.procs import DistPool
+
+pytest_plugins = ["tests.runs"]  # the shared runs' fixtures, and the hook that groups them
 
 WORLD_SIZES = (1, 2, 3)  # 1: a plain process that never joined a group
 
@@ -51,3 +57,21 @@ def on_ranks(run_on: Callable[[int], RunOnRanks], world_size: int) -> RunOnRanks
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.SlurmCluster]:
     """A real one-node SLURM, started once per session (skips, saying why, where it cannot)."""
     yield from slurm_cluster.session_cluster(tmp_path_factory)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No launcher's variables in this process (a tool run in process must not think a
+    launcher started it), whatever started pytest."""
+    for name in list(os.environ):
+        if is_launcher_variable(name):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def child_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool run in process, its runs started with the command-line tests' environment
+    (`tests.cli.env`: the test models importable, one thread a process); saves the tool's
+    own start-up."""
+    use_env(monkeypatch, env())
+

@@ -1,4 +1,5 @@
-"""Reading a run's ``metrics.jsonl`` in tests: every record, the training ones, their losses."""
+"""Reading a run's ``metrics.jsonl`` in tests: every record, the training ones, the validation
+ones, the losses."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def records(work_dir: str | os.PathLike) -> list[dict]:
 def train_records(work_dir: str | os.PathLike) -> list[dict]:
     """The training lines (validation lines carry a ``mode``)."""
     return [r for r in records(work_dir) if "mode" not in r]
+
+
+def val_records(work_dir: str | os.PathLike) -> list[dict]:
+    """The validation lines (``mode`` val)."""
+    return [r for r in records(work_dir) if r.get("mode") == "val"]
 
 
 def losses(work_dir: str | os.PathLike) -> dict[int, float]:

@@ -7,7 +7,6 @@ Running the launchers for real is tests/dist/test_launchers.py's job.
 from __future__ import annotations
 
 import datetime
-import os
 
 import pytest
 import torch
@@ -28,9 +27,8 @@ from trainrun.dist.launch import (
 )
 from trainrun.dist.timeouts import DEFAULT_TIMEOUT, named_operation, to_timedelta
 
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# every test starts with no launcher's variables, whatever started pytest (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
@@ -46,14 +44,6 @@ BATCH_STEP = {"SLURM_JOB_ID": "18", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
 MPICH = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start every test with no launcher's variables, whatever started pytest."""
-    for name in list(os.environ):
-        if name in TORCHRUN_VARS or name.startswith(LAUNCHER_PREFIXES):
-            monkeypatch.delenv(name)
 
 
 def set_env(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str]) -> None:

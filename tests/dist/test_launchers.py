@@ -20,26 +20,17 @@ from typing import Any
 
 import pytest
 
+# a job's environment: this one without any launcher's variables (each test's launcher sets
+# its own), one thread a rank (2 cores, 2 ranks), the repository importable
+from tests.cli import env as job_env
+from tests.runs import shared_run
 from tests.slurm_cluster import SlurmCluster
 from trainrun.dist.launch import free_port, slurm_port
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "launch_check.py"
 TIMEOUT_S = 120  # per launcher command; a healthy one takes a few seconds
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_")
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
-
-
-def job_env() -> dict[str, str]:
-    """This environment without any launcher's variables: each test's launcher sets its own."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in TORCHRUN_VARS and not k.startswith(LAUNCHER_PREFIXES)}
-    env["OMP_NUM_THREADS"] = "1"  # 2 cores, 2 ranks
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
 
 
 def start(cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -114,9 +105,10 @@ def assert_two_ranks(found: list[dict[str, Any]], launcher: str) -> None:
     assert found[0]["env"]["MASTER_PORT"] == found[1]["env"]["MASTER_PORT"]
 
 
-@pytest.fixture(scope="module")
+@shared_run
 def torchrun_run() -> tuple[int, list[dict[str, Any]]]:
-    """The master port and the reports of one `torchrun --nproc_per_node 2` run."""
+    """The master port and the reports of one `torchrun --nproc_per_node 2` run (once a
+    session: the tests asking for it share an xdist worker)."""
     port = free_port()
     return port, ok_reports(run(torchrun("pytorch", port=port)))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cli import env
 from trainrun.cli.train import main as train_main
 from trainrun.dist.launch import free_port
 from trainrun.examples import digits
@@ -21,12 +21,6 @@ from trainrun.registry import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-
-
-def env() -> dict[str, str]:
-    out = dict(os.environ, OMP_NUM_THREADS="1")
-    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), out.get("PYTHONPATH")]))
-    return out
 
 
 def train(config: Path, work_dir: Path, *options: str, nproc: int = 2) -> list[dict]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.examples.test_examples import env
+from tests.cli import env
 from tests.records import losses, records
 from tests.runner.toy import straight_crash_resume
 from trainrun.cli.train import main as train_main

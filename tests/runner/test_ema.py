@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trainrun.dist as dist
-from tests.runner.test_hooks_config import _records
+from tests.records import records as _records
 from tests.runner.toy import CrashAfter, Killed, ToyModel
 from trainrun.runner.checkpoint import read_train_state
 from trainrun.runner.hooks import EMAHook, Hook

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import trainrun.dist as dist
+from tests.records import records as _records
 from tests.runner.toy import CrashAfter, Killed
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.hooks import EarlyStoppingHook, ProfilerHook
@@ -152,11 +153,6 @@ def _runner(work_dir, hooks, *, max_iters=40, checkpoint=None, strategy="none", 
         checkpoint=checkpoint or {"interval": 0, "save_last": False}, resume=resume,
         hooks=hooks,
     )
-
-
-def _records(work_dir):
-    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 def test_early_stopping_ends_the_run_with_a_checkpoint_and_one_line(tmp_path):

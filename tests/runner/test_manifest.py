@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.toy import ToyModel
+from tests.runner.toy import ToyModel, flip_byte
+from tests.runs import shared_run
 from trainrun.dist import get_rank
 from trainrun.runner import manifest
 from trainrun.runner.checkpoint import CheckpointManager, check_checkpoint
@@ -56,9 +57,10 @@ def _save_body(root: str) -> int:
     return get_rank()
 
 
-@pytest.fixture(scope="module")
+@shared_run
 def saved(run_on, tmp_path_factory) -> dict[str, Path]:
-    """One checkpoint of each kind in `SAVES`, saved by 2 ranks."""
+    """One checkpoint of each kind in `SAVES`, saved by 2 ranks (once a session: the tests
+    asking for it share an xdist worker)."""
     root = tmp_path_factory.mktemp("hashed")
     assert run_on(2)(_save_body, str(root)) == [0, 1]
     return {kind: root / kind / "iter_2.pth" for kind in SAVES}
@@ -81,13 +83,6 @@ def _copy(checkpoint: Path, to: Path) -> Path:
         shutil.copy(checkpoint, to)
         shutil.copy(sidecar(checkpoint), to)
     return to / checkpoint.name
-
-
-def flip_byte(file: Path) -> None:
-    """Invert one byte in the middle of ``file``."""
-    data = bytearray(file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    file.write_bytes(bytes(data))
 
 
 def _listed(checkpoint: Path, name: str) -> Path:

@@ -8,28 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from tests.runner.toy import ToyModel
+from tests.runner.toy import NormToy, ToyModel
 from trainrun.runner.config import ConfigError, check
 from trainrun.runner.optim import optimizer_factory
 from trainrun.runner.optim.param_groups import describe_groups, param_groups
 from trainrun.runner.optim.section import check_optim_section
 from trainrun.runner.plan import plan_param_groups
 from trainrun.wrappers import BaseModel
-
-
-class NormToy(BaseModel):
-    """`ToyModel`'s shape with a LayerNorm between its layers (used on 2 ranks too)."""
-
-    def __init__(self, features: int = 4, hidden: int = 8):
-        super().__init__()
-        self.embed = nn.Linear(features, hidden)
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(hidden, 1))
-
-    def forward(self, batch, mode="loss"):
-        prediction = self.head(torch.relu(self.norm(self.embed(batch["inputs"])))).squeeze(-1)
-        error = (prediction - batch["targets"]) ** 2
-        return {"loss": error.mean()} if mode == "loss" else error
 
 
 class MyNorm(nn.LayerNorm):
@@ -189,7 +174,7 @@ def test_per_module_optimisers_group_under_full_names_and_may_override():
 
 
 def test_the_plan_counts_groups_on_the_meta_device():
-    cfg, _ = check({"name": "x", "model": {"type": "tests.runner.test_paramwise.NormToy"},
+    cfg, _ = check({"name": "x", "model": {"type": "tests.runner.toy.NormToy"},
                     "data": {"train": {"type": "tests.runner.toy.ToyRegression"}},
                     "optim": {"lr": 0.1, "weight_decay": 0.01,
                               "paramwise": {"norm_decay_mult": 0, "custom_keys": {"zz": {}}}}})
@@ -229,7 +214,7 @@ def test_a_min_lr_above_a_groups_rate_is_refused_naming_the_group():
     assert str(error.value) == ("scheduler.min_lr: got 0.01, expected at most the learning "
                                 "rate (0.001): the rate of parameter group 'head' "
                                 "(optim.paramwise)")
-    cfg, _ = check({"name": "x", "model": {"type": "tests.runner.test_paramwise.NormToy"},
+    cfg, _ = check({"name": "x", "model": {"type": "tests.runner.toy.NormToy"},
                     "data": {"train": {"type": "tests.runner.toy.ToyRegression"}},
                     "optim": optim, "scheduler": scheduler, "schedule": {"max_iters": 10}})
     with pytest.raises(ConfigError, match="group 'head'"):

@@ -1,5 +1,6 @@
 """A tiny model and data set for runner tests: fast, and random enough (dropout, shuffling)
-that a resume restoring the wrong RNG state or data position shows in the losses."""
+that a resume restoring the wrong RNG state or data position shows in the losses; and the
+means to damage or craft a checkpoint."""
 
 from __future__ import annotations
 
@@ -49,6 +50,22 @@ class ToyModel(BaseModel):
 
     def forward(self, batch, mode="loss"):
         prediction = self.net(batch["inputs"]).squeeze(-1)
+        error = (prediction - batch["targets"]) ** 2
+        return {"loss": error.mean()} if mode == "loss" else error
+
+
+class NormToy(BaseModel):
+    """`ToyModel`'s shape with a LayerNorm between its layers (the paramwise
+    tests' model: in process and on 2 ranks)."""
+
+    def __init__(self, features: int = 4, hidden: int = 8):
+        super().__init__()
+        self.embed = nn.Linear(features, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(hidden, 1))
+
+    def forward(self, batch, mode="loss"):
+        prediction = self.head(torch.relu(self.norm(self.embed(batch["inputs"])))).squeeze(-1)
         error = (prediction - batch["targets"]) ** 2
         return {"loss": error.mean()} if mode == "loss" else error
 
@@ -159,6 +176,13 @@ class Payload:
         import os
 
         return (os.system, (f"touch {self.marker}",))
+
+
+def flip_byte(file: Path) -> None:
+    """Invert one byte in the middle of ``file``."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
 
 
 def rehash(checkpoint: Path) -> None:

@@ -10,11 +10,11 @@ import random
 import struct
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
 
+from tests.cli import file_bytes
 from tests.runner.toy import Payload, rehash
 from trainrun.cli import test as test_tool
 from trainrun.cli.train import main as train_main
@@ -23,15 +23,6 @@ from trainrun.runner.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "digits_ddp.yaml"
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_RANK",
-                    "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` with its bytes: what "left as it was" compares."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
 
 
 def _make_inputs(root: Path) -> dict[str, Path]:
@@ -288,12 +279,6 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_bad_input_is_refused_with_exit_2_one_line_and_nothing_written(tmp_path, capfd,
                                                                         clean_env):
     assert len(CASES) >= 40
@@ -303,7 +288,7 @@ def test_bad_input_is_refused_with_exit_2_one_line_and_nothing_written(tmp_path,
     (work_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
     saved = load_config(CONFIG, ["model.hidden=64"], values={"work_dir": str(work_dir)})
     (work_dir / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    before = _files(tmp_path)
+    before = file_bytes(tmp_path)
     failures = []
     for args, words in CASES:
         values = {"root": tmp_path / "inputs", "work_dir": work_dir,
@@ -333,7 +318,7 @@ def test_bad_input_is_refused_with_exit_2_one_line_and_nothing_written(tmp_path,
         if problems:
             failures.append(f"{args}: {', '.join(problems)}\n    stderr: {err.strip()[-600:]}")
     assert not failures, f"{len(failures)} of {len(CASES)} cases:\n" + "\n".join(failures)
-    assert _files(tmp_path) == before  # nothing written, nothing changed
+    assert file_bytes(tmp_path) == before  # nothing written, nothing changed
     assert not inputs["marker"].exists()  # nothing ran
 
 

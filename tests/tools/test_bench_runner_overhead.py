@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 
-from tests.tools.test_train_cli import REPO, run
+from tests.cli import REPO, run
 from trainrun.dist.launch import free_port
 
 BENCH = REPO / "bench" / "runner_overhead.py"

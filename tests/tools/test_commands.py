@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import trainrun.cli as cli
-from tests.tools.test_train_cli import CONFIG, REPO, env
+from tests.cli import CONFIG, REPO, env
 
 
 def test_python_m_trainrun_runs_a_subcommand_under_its_name():

@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli import REPO, TRAIN, env, run, torchrun
 from tests.records import losses
-from tests.tools.test_train_cli import REPO, TRAIN, env, run, torchrun
+from tests.runs import COMPILE_STEPS
 from trainrun.cli.train import main as train_main
 
 DIGITS = REPO / "configs" / "digits_ddp.yaml"
 TINYLM = REPO / "configs" / "tinylm_fsdp.yaml"
 TEST = REPO / "tools" / "test.py"
-STEPS = 19  # the first epoch's full batches (the 20th is smaller: another compile)
-SHORT = [f"schedule.max_iters={STEPS}", "logging.interval=1", "data.val=null"]
 
 # (the --cfg-options; the words the one error line must contain)
 BAD = [
@@ -35,12 +34,6 @@ BAD = [
     (["compile=true", "strategy.type=deepspeed", "strategy.zero_stage=3"],
      ["compile", "ZeRO stage 3"]),
 ]
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["train", "dry-run"])
@@ -96,30 +89,18 @@ def _model_keys(checkpoint: Path) -> list[str]:
     return list(torch.load(checkpoint, weights_only=True, map_location="cpu")["model"])
 
 
-@pytest.fixture(scope="module")
-def digits_runs(tmp_path_factory) -> Path:
-    """The shipped digits config, 19 steps on 2 processes, uncompiled and compiled."""
-    root = tmp_path_factory.mktemp("compile")
-    for name, compile_ in [("plain", "false"), ("compiled", "true")]:
-        done = run(torchrun(str(DIGITS), "--launcher", "pytorch", "--work-dir",
-                            str(root / name), "--cfg-options", *SHORT, f"compile={compile_}"),
-                   timeout=600)
-        assert done.returncode == 0, done.stderr[-4000:]
-    return root
-
-
 @pytest.mark.slow
-def test_compiled_digits_logs_the_losses_of_the_uncompiled_run(digits_runs):
-    log = (digits_runs / "compiled" / "train.log").read_text()
+def test_compiled_digits_logs_the_losses_of_the_uncompiled_run(compile_runs):
+    log = (compile_runs / "compiled" / "train.log").read_text()
     assert "compile: model (DigitsMLP) is compiled at its first call (backend=inductor, " \
            "mode=default, fullgraph=False, dynamic=None)" in log
-    assert "compile:" not in (digits_runs / "plain" / "train.log").read_text()
-    _close(losses(digits_runs / "plain"), losses(digits_runs / "compiled"), STEPS)
+    assert "compile:" not in (compile_runs / "plain" / "train.log").read_text()
+    _close(losses(compile_runs / "plain"), losses(compile_runs / "compiled"), COMPILE_STEPS)
 
 
 @pytest.mark.slow
-def test_compiled_checkpoints_keep_the_keys_and_load_both_ways(digits_runs):
-    plain, compiled = (digits_runs / name / "checkpoints" / f"iter_{STEPS}.pth"
+def test_compiled_checkpoints_keep_the_keys_and_load_both_ways(compile_runs):
+    plain, compiled = (compile_runs / name / "checkpoints" / f"iter_{COMPILE_STEPS}.pth"
                        for name in ("plain", "compiled"))
     assert _model_keys(compiled) == _model_keys(plain)
     for checkpoint, compile_ in [(compiled, "false"), (plain, "{backend: eager}")]:

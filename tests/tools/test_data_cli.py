@@ -13,9 +13,10 @@ import pytest
 import yaml
 from torch.utils.data import default_collate
 
+from tests.cli import CONFIG as DIGITS
+from tests.cli import TRAIN, env, run, torchrun
+from tests.records import train_records, val_records
 from tests.tools.models import VariableLengthSequences
-from tests.tools.test_train_cli import CONFIG as DIGITS
-from tests.tools.test_train_cli import TRAIN, env, run, torchrun, train_records, val_records
 
 MODELS = "tests.tools.models"
 

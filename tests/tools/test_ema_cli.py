@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tools.test_train_cli import CONFIG
-from tests.tools.test_verify_resume import child_env  # noqa: F401 - a fixture
+from tests.cli import CONFIG
 from trainrun.cli import test as test_tool
 from trainrun.cli import verify_resume as vr
 from trainrun.cli.export import main as export_main

@@ -12,44 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.runner.test_manifest import flip_byte
-from tests.runner.toy import ToyModel
+from tests.runner.toy import ToyModel, flip_byte
+from tests.runs import EXPORT_STRATEGIES
 from trainrun.cli.export import main, plain_tensors
-from trainrun.runner.runner import Runner
 
 REPO = Path(__file__).resolve().parents[2]
-STRATEGIES = {"ddp": "ddp", "fsdp": "fsdp", "zero3": {"type": "deepspeed", "zero_stage": 3}}
-
-
-def _train_body(work_dir: str, strategy) -> dict[str, torch.Tensor]:
-    """Train 4 steps, checkpoint at the end; the whole weights the model ended with."""
-    runner = Runner(
-        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
-        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
-                          "batch_size": 4},
-        optim={"type": "AdamW", "lr": 0.01}, strategy=strategy,
-        schedule={"max_iters": 4}, randomness={"seed": 3},
-        logging={"interval": 1, "backends": []}, checkpoint={"interval": 4},
-    )
-    runner.train()
-    state = {k: v.detach().clone() for k, v in runner.strategy.model_state_dict(
-        runner.model).items()}
-    runner.close()
-    return state
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, dist_pools) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
-    """One 2-rank run per strategy: its work_dir and its final weights."""
-    from tests.procs import DistPool
-
-    pool = dist_pools.setdefault(2, DistPool(2))
-    base = tmp_path_factory.mktemp("export")
-    out = {}
-    for name, strategy in STRATEGIES.items():
-        states = pool.run(_train_body, str(base / name), strategy)
-        out[name] = (base / name, states[0])
-    return out
+# (a checkpoint of each strategy, with the weights its model ended with, is the fixture
+# export_runs, tests/runs.py)
 
 
 def _loads_into_a_bare_model(state: dict[str, torch.Tensor]) -> ToyModel:
@@ -58,9 +27,9 @@ def _loads_into_a_bare_model(state: dict[str, torch.Tensor]) -> ToyModel:
     return model
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
-def test_every_strategy_exports_to_safetensors(trained, tmp_path, name):
-    work_dir, weights = trained[name]
+@pytest.mark.parametrize("name", list(EXPORT_STRATEGIES))
+def test_every_strategy_exports_to_safetensors(export_runs, tmp_path, name):
+    work_dir, weights = export_runs[name]
     checkpoint = work_dir / "checkpoints" / "iter_4.pth"
     out = tmp_path / "model.safetensors"
     assert main([str(checkpoint), str(out)]) == 0
@@ -72,8 +41,8 @@ def test_every_strategy_exports_to_safetensors(trained, tmp_path, name):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_torch_format_dtype_and_a_work_dir(trained, tmp_path):
-    work_dir, weights = trained["fsdp"]
+def test_torch_format_dtype_and_a_work_dir(export_runs, tmp_path):
+    work_dir, weights = export_runs["fsdp"]
     out = tmp_path / "model.pt"  # torch format from the suffix
     assert main([str(work_dir), str(out), "--dtype", "bf16"]) == 0  # newest checkpoint
     exported = torch.load(out, weights_only=True)
@@ -84,8 +53,8 @@ def test_torch_format_dtype_and_a_work_dir(trained, tmp_path):
     assert load_file(out_st).keys() == weights.keys()
 
 
-def test_the_script_runs_as_documented(trained, tmp_path):
-    work_dir, weights = trained["zero3"]
+def test_the_script_runs_as_documented(export_runs, tmp_path):
+    work_dir, weights = export_runs["zero3"]
     out = tmp_path / "zero3.safetensors"
     done = subprocess.run([sys.executable, "tools/export.py", str(work_dir / "checkpoints"),
                            str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -106,8 +75,8 @@ def test_shared_and_strided_tensors_are_written_whole():
     assert all(torch.equal(plain[k], v) for k, v in state.items())
 
 
-def test_bad_input_exits_2_with_one_line(trained, tmp_path, capsys):
-    work_dir, _ = trained["ddp"]
+def test_bad_input_exits_2_with_one_line(export_runs, tmp_path, capsys):
+    work_dir, _ = export_runs["ddp"]
     checkpoint = work_dir / "checkpoints" / "iter_4.pth"
     existing = tmp_path / "exists.safetensors"
     existing.write_bytes(b"keep me")

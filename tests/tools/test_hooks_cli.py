@@ -12,33 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.records import train_records
-from tests.tools.test_train_cli import (
-    CONFIG,
-    _kill_tree,
-    env,
-    run,
-    torchrun,
-    val_records,
-)
+from tests.cli import CONFIG, env, kill_tree, run
+from tests.records import train_records, val_records
+from tests.runs import COUNTER, EARLY, PROFILER, hooks_command
 from trainrun.cli.train import main as train_main
 
-# validation every 10 steps; accuracy cannot gain 0.5 on its first value (about 0.55), so the
-# first validation stays the best and the third after it (step 40) stops the run
-EARLY = "{type: EarlyStopping, metric: accuracy, patience: 3, min_delta: 0.5}"
-COUNTER = "{type: tests.tools.models.CountingHook}"
-PROFILER = "{type: Profiler, wait: 1, warmup: 1, active: 2, ranks: [0, 1]}"
-OPTIONS = ["schedule.max_epochs=null", "schedule.max_iters=200", "schedule.val_interval=10",
-           "checkpoint.interval=10", "checkpoint.max_keep=-1", "logging.interval=1",
-           "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.05"]
+# (the run nobody stops, with EARLY, COUNTER and PROFILER, is the fixture hooks_run: the
+# hooks, the options and the command are tests/runs.py's)
 STOP_LINE = ("early stopping at step 40: accuracy has not improved on {best} (step 10) by "
              "more than 0.5 for 3 validations; checkpoint iter_40.pth written")
-
-
-def _command(work_dir: Path, *hooks: str, resume: bool = False) -> list[str]:
-    return torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
-                    *(["--resume"] if resume else []), "--cfg-options", *OPTIONS,
-                    f"hooks=[{', '.join(hooks)}]")
 
 
 def _stop_lines(stderr: str) -> list[str]:
@@ -51,18 +33,9 @@ def _ends(work_dir: Path) -> list[dict]:
     return [json.loads((work_dir / f"hook_rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The run that nobody stops, with the profiler tracing steps 3-4 on both ranks."""
-    work_dir = tmp_path_factory.mktemp("hooks") / "straight"
-    done = run(_command(work_dir, EARLY, COUNTER, PROFILER))
-    assert done.returncode == 0, done.stderr[-4000:]
-    return work_dir, done
-
-
 @pytest.mark.slow
-def test_early_stopping_stops_every_rank_after_the_same_validation(straight):
-    work_dir, done = straight
+def test_early_stopping_stops_every_rank_after_the_same_validation(hooks_run):
+    work_dir, done = hooks_run
     best = f"{val_records(work_dir)[0]['accuracy']:.6g}"
     assert _stop_lines(done.stderr) == [STOP_LINE.format(best=best)]
     assert [r["step"] for r in val_records(work_dir)] == [10, 20, 30, 40]
@@ -74,8 +47,8 @@ def test_early_stopping_stops_every_rank_after_the_same_validation(straight):
 
 
 @pytest.mark.slow
-def test_the_profiler_writes_a_trace_per_rank_and_says_where(straight):
-    work_dir, done = straight
+def test_the_profiler_writes_a_trace_per_rank_and_says_where(hooks_run):
+    work_dir, done = hooks_run
     root = work_dir / "profile"
     traces = {rank: list((root / f"rank{rank}").glob(f"rank{rank}.*.pt.trace.json"))
               for rank in (0, 1)}
@@ -90,14 +63,14 @@ def test_the_profiler_writes_a_trace_per_rank_and_says_where(straight):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_stop_at_the_same_step_with_the_same_losses(straight, tmp_path):
+def test_sigkill_and_resume_stop_at_the_same_step_with_the_same_losses(hooks_run, tmp_path):
     """Killed (launcher and workers, SIGKILL) after its step-20 checkpoint, when
     EarlyStopping had counted one validation without improvement: the resumed run stops at
     step 40 as the unbroken one did, logging its losses bit for bit (the unbroken run also
     had the profiler: tracing changes no loss)."""
-    expected, _ = straight
+    expected, _ = hooks_run
     work_dir = tmp_path / "run"
-    proc = subprocess.Popen(_command(work_dir, EARLY, COUNTER), env=env(),
+    proc = subprocess.Popen(hooks_command(work_dir, EARLY, COUNTER), env=env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = work_dir / "checkpoints" / "last"
     deadline = time.monotonic() + 120
@@ -107,12 +80,12 @@ def test_sigkill_and_resume_stop_at_the_same_step_with_the_same_losses(straight,
             assert time.monotonic() < deadline, "no iter_20.pth within 120 s"
             time.sleep(0.01)
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         proc.wait()
     killed_at = int(last.read_text().strip()[5:-4])
     assert killed_at < 40 and not (work_dir / "hook_rank0.json").exists()
 
-    done = run(_command(work_dir, EARLY, COUNTER, resume=True))
+    done = run(hooks_command(work_dir, EARLY, COUNTER, resume=True))
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"iter_{killed_at}.pth at epoch 1, step {killed_at}" in done.stderr
     best = f"{val_records(expected)[0]['accuracy']:.6g}"
@@ -124,9 +97,7 @@ def test_sigkill_and_resume_stop_at_the_same_step_with_the_same_losses(straight,
     assert val_records(work_dir)[-1] == val_records(expected)[-1]
 
 
-def test_the_dry_run_lists_the_hooks_in_the_order_they_run(capsys, monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+def test_the_dry_run_lists_the_hooks_in_the_order_they_run(capsys, clean_env):
     code = train_main([str(CONFIG), "--dry-run", "--launcher", "none", "--cfg-options",
                        f"hooks=[{PROFILER}, {{type: EarlyStopping, metric: accuracy, "
                        f"priority: before_validation}}]"])

@@ -14,8 +14,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from tests.tools.test_bad_input import LAUNCH_VARIABLES
-from tests.tools.test_train_cli import TRAIN, env
+from tests.cli import TRAIN, env, file_bytes
 from trainrun.cli import plan as plan_tool
 from trainrun.cli import sweep as sweep_tool
 from trainrun.cli import test as test_tool
@@ -37,10 +36,10 @@ logging: {interval: 2}
 
 
 @pytest.fixture
-def clean_env(monkeypatch, tmp_path):
-    for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)  # where default run directories would go
+def clean_cwd(clean_env, monkeypatch, tmp_path):
+    """No launcher's variables (clean_env), and tmp_path the working directory: where
+    default run directories would go."""
+    monkeypatch.chdir(tmp_path)
 
 
 def user_config(root: Path, lr: str = "2.0e-3") -> Path:
@@ -51,14 +50,9 @@ def user_config(root: Path, lr: str = "2.0e-3") -> Path:
     return root / "run.yaml"
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
-
-
 @pytest.mark.slow
 def test_a_config_on_bases_trains_and_config_yaml_is_the_merged_config(tmp_path, capfd,
-                                                                       clean_env):
+                                                                       clean_cwd):
     config = user_config(tmp_path / "cfg")
     work_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, str(TRAIN), str(config), "--work-dir", str(work_dir)],
@@ -78,23 +72,23 @@ def test_a_config_on_bases_trains_and_config_yaml_is_the_merged_config(tmp_path,
     # a value changed in a base is a changed config for the run it started (in this process,
     # as tools/train.py runs it)
     user_config(tmp_path / "cfg", lr="3.0e-3")
-    before = _files(work_dir)
+    before = file_bytes(work_dir)
     assert train_main([str(config), "--work-dir", str(work_dir), "--resume",
                        "--cfg-options", "schedule.max_iters=6"]) == 2
     assert "optim.lr: 0.002 -> 0.003; pass --force" in capfd.readouterr().err
-    assert _files(work_dir) == before
+    assert file_bytes(work_dir) == before
 
 
-def test_the_dry_run_and_plan_show_the_merged_config(tmp_path, capsys, clean_env):
+def test_the_dry_run_and_plan_show_the_merged_config(tmp_path, capsys, clean_cwd):
     config = user_config(tmp_path / "cfg")
-    before = _files(tmp_path)
+    before = file_bytes(tmp_path)
     for main, args in [(train_main, ["--dry-run"]), (plan_tool.main, [])]:
         assert main([str(config), *args]) == 0
         out = capsys.readouterr().out
         assert "plan for 'run'" in out and "work_dirs/run (not created" in out, out
         assert "model        DigitsMLP" in out and "lr=0.002, weight_decay=0.01" in out, out
         assert "iterations   40 per epoch; 4 in all" in out, out
-    assert _files(tmp_path) == before
+    assert file_bytes(tmp_path) == before
 
 
 # (files to write under the config's folder, extra arguments, words the error line holds)
@@ -128,7 +122,7 @@ BAD = [
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["train", "dry-run"])
 def test_bad_inheritance_is_exit_2_naming_the_chain_and_nothing_written(tmp_path, capfd,
-                                                                         clean_env, dry_run):
+                                                                         clean_cwd, dry_run):
     work_dir = tmp_path / "run"
     failures = []
     for index, (texts, args, words) in enumerate(BAD):
@@ -136,7 +130,7 @@ def test_bad_inheritance_is_exit_2_naming_the_chain_and_nothing_written(tmp_path
         config = user_config(root)
         for name, text in texts.items():
             (root / name).write_text(text)
-        before = _files(tmp_path)
+        before = file_bytes(tmp_path)
         code = train_main([str(config), "--work-dir", str(work_dir), *args,
                            *(["--dry-run"] if dry_run else [])])
         err = capfd.readouterr().err
@@ -144,13 +138,13 @@ def test_bad_inheritance_is_exit_2_naming_the_chain_and_nothing_written(tmp_path
         missing = [w for w in words if not any(w in line for line in errors)]
         if code != 2 or len(errors) != 1 or missing or "Traceback" in err:
             failures.append(f"{texts} {args}: exit {code}, missing {missing}: {err[-600:]}")
-        if _files(tmp_path) != before or work_dir.exists():
+        if file_bytes(tmp_path) != before or work_dir.exists():
             failures.append(f"{texts} {args}: wrote something")
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("command", ["test", "plan", "sweep", "verify-resume"])
-def test_every_command_refuses_a_missing_base_naming_the_chain(tmp_path, capfd, clean_env,
+def test_every_command_refuses_a_missing_base_naming_the_chain(tmp_path, capfd, clean_cwd,
                                                                command):
     config = user_config(tmp_path / "cfg")
     (tmp_path / "cfg" / "mid" / "lr.yaml").write_text("_base_: gone.yaml\n")
@@ -164,11 +158,11 @@ def test_every_command_refuses_a_missing_base_naming_the_chain(tmp_path, capfd, 
         "verify-resume": (verify_tool.main, ["--steps", "4", "--work-dir",
                                              str(tmp_path / "run")]),
     }[command]
-    before = _files(tmp_path)
+    before = file_bytes(tmp_path)
     assert main([str(config), *args]) == 2
     errors = [line for line in capfd.readouterr().err.splitlines()
               if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].endswith(
         f"run.yaml -> {tmp_path}/cfg/mid/lr.yaml -> {tmp_path}/cfg/mid/gone.yaml: "
         f"base config not found"), errors
-    assert _files(tmp_path) == before and not (tmp_path / "run").exists()
+    assert file_bytes(tmp_path) == before and not (tmp_path / "run").exists()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import CONFIG, TRAIN, env
 from tests.records import train_records
-from tests.tools.test_train_cli import CONFIG, TRAIN, env
 from trainrun.cli.processes import alive, descendants
 from trainrun.dist.launch import free_port
 from trainrun.examples.digits import DigitsMLP

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import REPO, TRAIN, env
 from tests.records import train_records
 from tests.tools.newcomer import user_project
-from tests.tools.test_train_cli import REPO, TRAIN, env
 from trainrun import cli
 from trainrun.cli.train import main as train_main
 

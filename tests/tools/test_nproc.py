@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import CONFIG, TRAIN, env
 from tests.records import train_records
 from tests.tools.newcomer import user_project
-from tests.tools.test_train_cli import CONFIG, TRAIN, env
 from trainrun.cli.launch import Report, launch_command, worst_ending
 from trainrun.cli.processes import alive, descendants
 from trainrun.cli.train import train_parser, worker_args

@@ -12,9 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.cli import CONFIG, env
 from tests.records import train_records
-from tests.tools.test_train_cli import CONFIG, env
-from tests.tools.test_verify_resume import child_env  # noqa: F401 - a fixture
 from trainrun.cli import verify_resume as vr
 from trainrun.cli.train import main as train_main
 from trainrun.dist.launch import free_port
@@ -92,7 +91,7 @@ def test_two_processes_warn_once_and_log_the_groups(tmp_path):
 
 
 @pytest.mark.slow
-def test_digits_with_groups_and_a_schedule_resume_exactly_after_sigkill(child_env, capsys,  # noqa: F811
+def test_digits_with_groups_and_a_schedule_resume_exactly_after_sigkill(child_env, capsys,
                                                                        tmp_path):
     code = vr.main([str(CONFIG), "--nproc", "2", "--steps", "8", "--work-dir", str(tmp_path),
                     "--cfg-options", PARAMWISE, "scheduler={type: cosine, warmup_iters: 2}"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import CONFIG, REPO, env, kill_tree, run, use_env
 from tests.records import train_records
 from tests.slurm_cluster import client_env
-from tests.tools.test_train_cli import CONFIG, REPO, env, run
-from trainrun.cli.processes import descendants
 from trainrun.cli.sweep import local, parser, prepare
 from trainrun.cli.sweep import main as sweep_main
 from trainrun.cli.sweep.grid import Sweep, make_points, parse_grid, short_keys, split_values
@@ -228,11 +226,7 @@ def test_the_array_task_runs_through_the_package(tmp_path, capsys):
 
 def _stop_all(proc: subprocess.Popen) -> None:
     """The sweep and every process below it (its points run in sessions of their own)."""
-    for pid in [*descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(proc.pid)
     proc.communicate()
 
 
@@ -310,11 +304,7 @@ def test_a_slurm_sweep_is_one_job_array(slurm, tmp_path, capsys, monkeypatch):
     """Two points as one job array on the local SLURM, waited for: the failing point is
     reported with its error, the other trains under srun, and the summary has both. (The
     sweep runs in this process: its jobs get this environment, pointed at the test cluster.)"""
-    wanted = client_env(slurm.conf, env())
-    for key in set(os.environ) - set(wanted):
-        monkeypatch.delenv(key)
-    for key, value in wanted.items():
-        monkeypatch.setenv(key, value)
+    use_env(monkeypatch, client_env(slurm.conf, env()))
     options = ["schedule.max_epochs=null", "schedule.max_iters=6", "schedule.val_interval=6",
                "checkpoint.interval=3", "logging.interval=1", "model.fail_rank=0",
                "model.type=tests.tools.models.FailingDigitsMLP"]

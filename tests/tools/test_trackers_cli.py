@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import CONFIG, REPO, env, run, torchrun
 from tests.records import train_records
-from tests.tools.test_train_cli import CONFIG, REPO, env, run, torchrun
 from tests.tools.trackers import CALLS
 
 SINGLE = REPO / "configs" / "digits_single.yaml"

@@ -3,69 +3,26 @@ real processes, real torchrun, the shipped digits config made short with --cfg-o
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.records import train_records
-from tests.runner.test_manifest import flip_byte
-from trainrun.cli.processes import descendants
+from tests.cli import CONFIG, REPO, SHORT, SLOW, TRAIN, env, run, torchrun
+from tests.records import train_records, val_records
+from tests.runner.toy import flip_byte
 from trainrun.dist.launch import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "tools" / "train.py"
-CONFIG = REPO / "configs" / "digits_ddp.yaml"
-SHORT = ["schedule.max_epochs=2", "checkpoint.interval=1", "logging.interval=5"]
-
-
-def env() -> dict[str, str]:
-    """This environment with the repository importable (test models live in tests/) and one
-    thread per process (2 processes share 2 cores)."""
-    out = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), out.get("PYTHONPATH")]))
-    out["OMP_NUM_THREADS"] = "1"
-    return out
-
-
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(free_port()), str(TRAIN), *args]
-
-
-def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
-
-
-
-def val_records(work_dir: Path) -> list[dict]:
-    lines = (work_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("mode") == "val"]
-
 
 # ---------------------------------------------------------------- training under torchrun
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """digits_ddp for 2 epochs on 2 processes under torchrun."""
-    work_dir = tmp_path_factory.mktemp("cli") / "digits"
-    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
-                        "--cfg-options", *SHORT))
-    assert done.returncode == 0, done.stderr[-4000:]
-    return work_dir, done
-
-
 @pytest.mark.slow
-def test_train_under_torchrun_leaves_the_run_directory(trained):
-    work_dir, done = trained
+def test_train_under_torchrun_leaves_the_run_directory(digits_run):
+    work_dir, done = digits_run
     assert {"config.yaml", "metrics.jsonl", "train.log", "checkpoints"} <= {
         p.name for p in work_dir.iterdir()}
     assert (work_dir / "checkpoints" / "last").read_text().strip() == "epoch_2.pth"
@@ -83,8 +40,8 @@ def test_train_under_torchrun_leaves_the_run_directory(trained):
 
 
 @pytest.mark.slow
-def test_test_tool_scores_a_checkpoint(trained):
-    work_dir, _ = trained
+def test_test_tool_scores_a_checkpoint(digits_run):
+    work_dir, _ = digits_run
     done = run([sys.executable, str(REPO / "tools" / "test.py"), str(CONFIG),
                 str(work_dir / "checkpoints" / "epoch_2.pth"), "--launcher", "none",
                 "--work-dir", str(work_dir / "test")])
@@ -93,8 +50,8 @@ def test_test_tool_scores_a_checkpoint(trained):
 
 
 @pytest.mark.slow
-def test_plot_metrics_draws_a_png(trained, tmp_path):
-    work_dir, _ = trained
+def test_plot_metrics_draws_a_png(digits_run, tmp_path):
+    work_dir, _ = digits_run
     out = tmp_path / "curves.png"
     done = run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(work_dir),
                 str(work_dir), "-o", str(out)])
@@ -109,11 +66,11 @@ def test_plot_metrics_draws_a_png(trained, tmp_path):
 # ---------------------------------------------------------------- damaged checkpoints
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_is_refused_by_test_and_passed_over_by_resume(trained, tmp_path):
+def test_a_damaged_checkpoint_is_refused_by_test_and_passed_over_by_resume(digits_run, tmp_path):
     """One byte flipped in the newest checkpoint of a copy of the trained run: tools/test.py
     refuses it with one line naming it and the file; --resume says it skipped it and why,
     goes on from the one before, and logs the very losses of the run that was not damaged."""
-    work_dir, _ = trained
+    work_dir, _ = digits_run
     copy = tmp_path / "run"
     shutil.copytree(work_dir, copy)
     damaged = copy / "checkpoints" / "epoch_2.pth"
@@ -171,41 +128,9 @@ def test_resume_passes_over_a_damaged_sharded_checkpoint(tmp_path, options, file
 
 # ---------------------------------------------------------------- exact resume after SIGKILL
 
-SLOW = [*SHORT, "schedule.max_epochs=null", "schedule.max_iters=40", "schedule.val_interval=20",
-        "checkpoint.interval=10", "logging.interval=1",
-        "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.03"]
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it."""
-    for each in [*descendants(pid), pid]:
-        try:
-            os.kill(each, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 # (SIGKILL then --resume under ddp, fsdp and ZeRO-3 is tools/verify_resume.py's test, in
-# tests/tools/test_verify_resume.py)
-
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
-    """``straight()``: the work_dir of an uninterrupted SLOW ddp run, trained once for all the
-    tests that compare against it."""
-    runs: list[tuple[Path, subprocess.CompletedProcess]] = []
-
-    def straight() -> Path:
-        if not runs:
-            work_dir = tmp_path_factory.mktemp("straight") / "ddp"
-            runs.append((work_dir, run(torchrun(str(CONFIG), "--launcher", "pytorch",
-                                                "--work-dir", str(work_dir),
-                                                "--cfg-options", *SLOW))))
-        work_dir, done = runs[0]
-        assert done.returncode == 0, done.stderr[-3000:]
-        return work_dir
-
-    return straight
-
+# tests/tools/test_verify_resume.py; the uninterrupted SLOW run the tests below compare
+# against is the fixture straight_run, tests/runs.py)
 
 def _signal_after_checkpoint(cmd: list[str], work_dir: Path, checkpoint: str,
                              signum: int) -> subprocess.CompletedProcess:
@@ -367,18 +292,6 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert "effective 32 x 1 ranks x 2 accumulated = 64" in done.stdout, done.stdout
     assert "40 per epoch" in done.stdout
     assert not work_dir.exists()
-
-
-def _worker_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of torchrun's worker of ``rank`` (the one with RANK=rank in its environment)."""
-    for pid in descendants(launcher_pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return pid
-    return None
 
 
 ONE_EPOCH = ["schedule.max_epochs=1", "logging.interval=5", "checkpoint.interval=1"]

@@ -1,6 +1,8 @@
 """tools/train.py when the job goes wrong: a failing or frozen rank, killed launchers (torchrun,
 mpirun, srun), a second job or an old copy writing into the same run directory, torchrun
-restarting its workers. Real processes, as in test_train_cli.py, whose helpers these share."""
+restarting its workers. Real processes, as in test_train_cli.py (the helpers both use are
+tests/cli.py's; the uninterrupted run they compare against is the fixture straight_run,
+tests/runs.py)."""
 
 from __future__ import annotations
 
@@ -16,25 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import client_env
-from tests.tools import test_train_cli
-from tests.tools.test_train_cli import (
+from tests.cli import (
     CONFIG,
     REPO,
     SHORT,
     SLOW,
     TRAIN,
-    _kill_tree,
-    _worker_pid,
     env,
+    kill_tree,
     run,
     torchrun,
-    train_records,
+    worker_pid,
 )
+from tests.records import train_records
+from tests.slurm_cluster import client_env
 from trainrun.cli.processes import alive, descendants
 from trainrun.dist.launch import free_port
-
-straight_run = test_train_cli.straight_run  # the uninterrupted run, a module fixture here too
 
 
 @pytest.mark.slow
@@ -79,7 +78,7 @@ def test_a_job_into_a_run_directory_an_old_copy_still_writes_refuses_then_takes_
                f"since {holder['since']}; lease renewed" in log, log[-3000:]
         assert old.poll() is None and all(alive(pid) for pid in workers)
     finally:
-        _kill_tree(old.pid)
+        kill_tree(old.pid)
         old.wait()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()
             if p.is_file() and p.name != "metrics.jsonl" and p.name != "train.log"} == \
@@ -128,7 +127,7 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
             assert proc.poll() is None, "the job ended before iter_10.pth"
             assert time.monotonic() - started < 120, "no iter_10.pth within 120 s"
             time.sleep(0.01)
-        frozen, other = _worker_pid(proc.pid, 1), _worker_pid(proc.pid, 0)
+        frozen, other = worker_pid(proc.pid, 1), worker_pid(proc.pid, 0)
         assert frozen is not None and other is not None, "the workers' processes not found"
         os.kill(frozen, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -138,7 +137,7 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
         os.kill(frozen, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
     assert proc.returncode != 0 and ended < 90, f"rank 0 still waiting {ended:.0f} s on"
     # silence counts from rank 1's last beat, up to one beat (1 s) before the freeze
     assert 11 <= ended, f"rank 0 ended {ended:.0f} s after the freeze, before dist_timeout"
@@ -167,7 +166,7 @@ def test_workers_of_a_killed_torchrun_stop_and_resume_exactly(tmp_path, straight
         while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
             assert proc.poll() is None, "the job ended before iter_10.pth"
             time.sleep(0.01)
-        workers = [_worker_pid(proc.pid, rank) for rank in (0, 1)]
+        workers = [worker_pid(proc.pid, rank) for rank in (0, 1)]
         assert None not in workers, "a worker's process not found"
         os.kill(proc.pid, signal.SIGKILL)  # torchrun alone: its workers live in other sessions
         killed = time.monotonic()
@@ -249,12 +248,12 @@ def test_torchrun_max_restarts_with_resume_continues_exactly_after_a_worker_dies
         while not (last.exists() and last.read_text().strip() == "iter_10.pth"):
             assert proc.poll() is None, "the job ended before iter_10.pth"
             time.sleep(0.01)
-        victim = _worker_pid(proc.pid, 1)
+        victim = worker_pid(proc.pid, 1)
         assert victim is not None, "rank 1's process not found"
         os.kill(victim, signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
     assert proc.returncode == 0, err[-3000:]
     log = (tmp_path / "train.log").read_text()
     assert "torchrun restarted the workers: restart 1 of 1 (--max-restarts)" in log

@@ -3,7 +3,6 @@ randomness the checkpoint misses, a bad option; then its parts one by one."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,24 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.test_manifest import flip_byte
-from tests.runner.toy import rehash
-from tests.tools.test_train_cli import CONFIG, REPO, env, run
+from tests.cli import CONFIG, REPO, run
+from tests.runner.toy import flip_byte, rehash
 from trainrun.cli import verify_resume as vr
 from trainrun.cli.processes import alive
 
 # ---------------------------------------------------------------- end to end
 
-@pytest.fixture
-def child_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tool run in process, its runs started with the command-line tests' environment
-    (the test models importable, one thread a process); saves the tool's own start-up."""
-    wanted = env()
-    for key in set(os.environ) - set(wanted):
-        monkeypatch.delenv(key)
-    for key, value in wanted.items():
-        monkeypatch.setenv(key, value)
-
+# (child_env, the fixture the tool runs in process with, is tests/conftest.py's)
 
 # (SIGKILL and --resume under fsdp and ZeRO-3 chosen with --cfg-options, as a sweep would, is
 # tests/tools/test_ema_cli.py's first test, which also carries an EMA hook through the resume)

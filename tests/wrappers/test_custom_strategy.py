@@ -9,12 +9,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.records import losses
 from tests.runner.toy import straight_crash_resume
+from tests.runs import shared_run
 from trainrun.cli import export as export_tool
 from trainrun.cli import train as train_tool
 from trainrun.dist import barrier, get_rank
@@ -82,8 +82,10 @@ def _train_crash_resume(config: str, root: str) -> list[str]:
         del STRATEGIES["per_rank_ddp"]
 
 
-@pytest.fixture(scope="module")
-def trained(run_on, tmp_path_factory):
+@shared_run
+def custom_strategy_run(run_on, tmp_path_factory):
+    """The straight and the crashed-then-resumed run, trained once a session (here, not in
+    tests/runs.py: docs/own-strategy.md shows the code they run from this file)."""
     root = tmp_path_factory.mktemp("custom")
     config = root / "per_rank.yaml"
     config.write_text(CONFIG)
@@ -91,8 +93,8 @@ def trained(run_on, tmp_path_factory):
     return root, config, files
 
 
-def test_it_trains_from_a_config_and_resumes_exactly(trained):
-    root, _, files = trained
+def test_it_trains_from_a_config_and_resumes_exactly(custom_strategy_run):
+    root, _, files = custom_strategy_run
     assert files[0] == files[1] == ["SHA256SUMS", "rank_0.pt", "rank_1.pt"]  # its own format
     # it resumed from its own checkpoint of step 4 (a restart from step 0 logs the same losses)
     log = (root / "crashed" / "train.log").read_text()
@@ -101,9 +103,9 @@ def test_it_trains_from_a_config_and_resumes_exactly(trained):
     assert sorted(resumed) == list(range(1, 13)) and resumed == straight  # bit for bit
 
 
-def test_it_exports_and_shows_in_the_plan_and_checks_its_options(trained, tmp_path,
+def test_it_exports_and_shows_in_the_plan_and_checks_its_options(custom_strategy_run, tmp_path,
                                                                   monkeypatch, capsys):
-    root, config, _ = trained
+    root, config, _ = custom_strategy_run
     checkpoint = root / "straight" / "checkpoints" / "iter_12.pth"
     out = tmp_path / "model.safetensors"
     assert export_tool.main([str(checkpoint), str(out)]) == 2  # unregistered: not a checkpoint

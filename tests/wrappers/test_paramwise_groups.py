@@ -36,7 +36,7 @@ STRATEGIES = {
 
 def _runner(work_dir: str, strategy: Any, **more: Any) -> Runner:
     return Runner(
-        model={"type": "tests.runner.test_paramwise.NormToy"}, work_dir=work_dir,
+        model={"type": "tests.runner.toy.NormToy"}, work_dir=work_dir,
         train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
                           "batch_size": 4},
         optim={"type": "AdamW", "lr": LR, "weight_decay": DECAY, "paramwise": PARAMWISE},
