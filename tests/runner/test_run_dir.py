@@ -8,7 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 import yaml
 from omegaconf import OmegaConf
 
