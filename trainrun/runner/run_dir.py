@@ -66,37 +66,37 @@ class RunDir:
 
     @property
     def config(self) -> Path:
-        """``config.yaml``: the resolved config of the run."""
+        """The resolved config of the run, ``config.yaml``."""
         return self.path / CONFIG
 
     @property
     def metrics(self) -> Path:
-        """``metrics.jsonl``: the logged numbers, one JSON object per line."""
+        """The logged numbers, one JSON object per line, ``metrics.jsonl``."""
         return self.path / METRICS
 
     @property
     def log(self) -> Path:
-        """The console log of rank 0: ``train.log`` (``test.log`` for a ``TestDir``)."""
+        """The console log of rank 0, ``train.log`` (``test.log`` for a ``TestDir``)."""
         return self.path / self.log_name
 
     @property
     def checkpoints(self) -> Path:
-        """``checkpoints/``: the checkpoints, and ``last`` naming the newest."""
+        """The checkpoints, and ``last`` naming the newest, in ``checkpoints/``."""
         return self.path / CHECKPOINTS_DIR
 
     @property
     def lock_file(self) -> Path:
-        """``run.lock``: names the job that holds the directory."""
+        """The lock file, ``run.lock``, naming the job that holds the directory."""
         return self.path / LOCK_NAME
 
     @property
     def profile(self) -> Path:
-        """``profile/``: the profiler hook's traces, one directory per rank."""
+        """The profiler hook's traces, one directory per rank, in ``profile/``."""
         return self.path / PROFILE
 
     @property
     def tests(self) -> Path:
-        """``test/``: the directories of ``trainrun test``, one per checkpoint tested."""
+        """The directories of ``trainrun test``, one per checkpoint tested, in ``test/``."""
         return self.path / TESTS
 
     def record(self) -> list[Path]:
@@ -252,7 +252,7 @@ class TestDir(RunDir):
 
     @property
     def scores(self) -> Path:
-        """``scores.json``: what the test scored, for programs to read."""
+        """What the test scored, for programs to read, ``scores.json``."""
         return self.path / SCORES
 
     def write_scores(self, checkpoint: str | os.PathLike, data: Any,
