@@ -15,7 +15,8 @@ def records(work_dir: str | os.PathLike) -> list[dict]:
 
 
 def train_records(work_dir: str | os.PathLike) -> list[dict]:
-    """The training lines (validation lines carry a ``mode``)."""
+    """The training lines (validation lines, and the mark a resume leaves, carry a
+    ``mode``)."""
     return [r for r in records(work_dir) if "mode" not in r]
 
 
@@ -25,7 +26,8 @@ def val_records(work_dir: str | os.PathLike) -> list[dict]:
 
 
 def losses(work_dir: str | os.PathLike) -> dict[int, float]:
-    """The logged loss by step (a step logged twice, by a run resumed before it: the later)."""
+    """The logged loss by step (a resume takes out the lines of the steps it trains again,
+    so each step has one)."""
     return {r["step"]: r["loss"] for r in train_records(work_dir)}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import trainrun.dist as dist
-from tests.records import loss_list
+from tests.records import loss_list, records
 from tests.runner.toy import (
     CrashAfter,
     Killed,
@@ -274,9 +274,10 @@ def test_resume_after_a_crash_during_a_save_uses_the_previous_checkpoint(run_on,
     assert results[0][0] == [".tmp-iter_4.pth", *hashed("iter_2.pth"), "last"]
     assert [r[1] for r in results] == [6] * world_size
     logged = loss_list(work_dir)
-    # first run: steps 1..4 (it died saving after step 4); resumed: steps 3..6 from iter_2
-    assert [step for step, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 6]
-    assert logged[4:] == loss_list(straight)[2:]  # the very losses of an unbroken run
+    # first run: steps 1..4 (it died saving after step 4); resumed from iter_2, which took
+    # out the lines of steps 3 and 4 and logged them again: each step once
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6]
+    assert logged == loss_list(straight)  # the very losses of an unbroken run
     checkpoints = work_dir / "checkpoints"
     assert listing(checkpoints) == [*hashed("iter_2.pth", "iter_4.pth", "iter_6.pth"), "last"]
     assert last_names(checkpoints) == "iter_6.pth"
@@ -297,14 +298,15 @@ def _crash_resume_body(straight_dir, work_dir, crash_after, options):
 
 def check_resumed(run_on_ranks, tmp_path, interval, crash_after, max_iters, **options):
     """Train straight; train again, crash after ``crash_after`` and resume from the checkpoint
-    at ``interval``: the resumed steps log the straight run's losses."""
+    at ``interval``: metrics.jsonl holds each step once, with the straight run's losses."""
     straight, work_dir = tmp_path / "straight", tmp_path / "resumed"
     options = {"interval": interval, "max_iters": max_iters, **options}
     run_on_ranks(_crash_resume_body, str(straight), str(work_dir), crash_after, options)
     logged = loss_list(work_dir)
-    steps = list(range(1, crash_after + 1)) + list(range(interval + 1, max_iters + 1))
-    assert [step for step, _ in logged] == steps
-    assert logged[crash_after:] == loss_list(straight)[interval:]  # bit for bit
+    assert [step for step, _ in logged] == list(range(1, max_iters + 1))
+    assert logged == loss_list(straight)  # bit for bit
+    marks = [r for r in records(work_dir) if r.get("mode") == "resume"]
+    assert [r["step"] for r in marks] == [interval]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -426,7 +428,7 @@ def test_background_saves_resume_exactly(run_on, tmp_path, strategy):
     assert resumed_at[0] == resumed_at[1] and resumed_at[0] in (2, 4, 6)
     expected = dict(loss_list(straight))
     logged = loss_list(work_dir)
-    assert [step for step, _ in logged] == [*range(1, 8), *range(resumed_at[0] + 1, 11)]
+    assert [step for step, _ in logged] == list(range(1, 11))  # steps after the resume's once
     for step, loss in logged:
         assert loss == expected[step], step
     assert last_names(work_dir / "checkpoints") == "iter_10.pth"
@@ -475,7 +477,7 @@ def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path
     assert f"resume: skipped: {checkpoints / 'iter_6.pth'} is damaged: iter_6.pth: sha256 " \
            "mismatch (against iter_6.pth.sha256)" in err
     assert f"{checkpoints / 'iter_4.pth'} has no manifest of hashes" in err
-    assert loss_list(work_dir)[6:] == straight[4:]  # steps 5 and 6, bit for bit
+    assert loss_list(work_dir) == straight  # steps 5 and 6 once, bit for bit
 
     rehash(checkpoints / "iter_4.pth")
     for name in ("iter_6.pth", "iter_4.pth", "iter_2.pth"):  # iter_6 saved again since

@@ -16,8 +16,8 @@ import trainrun.dist as dist
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
 from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb
 from trainrun.runner.hooks.timer import batch_counts
-from trainrun.runner.logging import MetricsFile
 from trainrun.runner.preemption import Preempted
+from trainrun.runner.run_dir import MetricsFile
 from trainrun.runner.runner import Runner
 
 

@@ -77,17 +77,20 @@ def _straight_body(work_dir):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_resume_mid_epoch_gives_bit_identical_losses(run_on, tmp_path, world_size):
-    """Checkpoint at step 10 (mid-epoch), crash at 13, resume: steps 11..24 log exactly what
-    a run that never stopped logs, to the last bit."""
+    """Checkpoint at step 10 (mid-epoch), crash at 13, resume: the lines of steps 11..13 that
+    the crashed run logged are taken out, and steps 11..24 log exactly what a run that never
+    stopped logs, to the last bit: each step once."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_on(world_size)(_straight_body, str(straight))
     run_on(world_size)(_resume_body, str(resumed), 13, {"interval": 5})
     expected = dict(loss_list(straight))
     logged = loss_list(resumed)
-    after_resume = [(step, loss) for step, loss in logged[13:]]
-    assert [step for step, _ in after_resume] == list(range(11, 25))
-    for step, loss in after_resume:
+    assert [step for step, _ in logged] == list(range(1, 25))
+    for step, loss in logged:
         assert loss == expected[step], (step, loss, expected[step])
+    marks = [r for r in records(resumed) if r.get("mode") == "resume"]
+    assert marks == [{"step": 10, "mode": "resume",
+                      "from": str(resumed / "checkpoints" / "iter_10.pth")}]
     val_straight = [r for r in records(straight) if r.get("mode") == "val"]
     val_resumed = [r for r in records(resumed) if r.get("mode") == "val"]
     assert val_resumed[-1] == val_straight[-1]

@@ -3,7 +3,9 @@ becomes one plain state-dict file that a bare model loads; bad input is exit 2."
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +110,33 @@ def test_bad_input_exits_2_with_one_line(export_runs, tmp_path, capsys):
                                                           "exists.safetensors", "plain_dir",
                                                           "truncated.pth"]
     assert main([str(checkpoint), str(existing), "--force"]) == 0
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_an_export_gets_the_permissions_of_any_file_the_user_creates(trained, tmp_path, mask,
+                                                                     suffix):
+    """0o666 less the umask, as ``touch`` would give (safetensors alone creates 0o600)."""
+    work_dir, _ = trained["ddp"]
+    out = tmp_path / f"model{suffix}"
+    previous = os.umask(mask)
+    try:
+        assert main([str(work_dir), str(out)]) == 0
+        (tmp_path / "touched").touch()
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "touched").stat().st_mode)
+
+
+def test_export_never_writes_a_training_runs_record(trained, tmp_path, capsys):
+    work_dir, _ = trained["ddp"]
+    run = shutil.copytree(work_dir, tmp_path / "run")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for part in ("train.log", "metrics.jsonl", "config.yaml", "checkpoints/last",
+                 "checkpoints/model.pt", "checkpoints/iter_4.pth"):
+        assert main([str(run), str(run / part), "--force"]) == 2, part
+        err = capsys.readouterr().err
+        assert f"OUT {run / part} is part of the record of the training run in {run}" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert main([str(run), str(run / "model.pt")]) == 0  # beside the record: a file of its own

@@ -3,6 +3,7 @@ real processes, real torchrun, the shipped digits config made short with --cfg-o
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -39,14 +40,45 @@ def test_train_under_torchrun_leaves_the_run_directory(digits_run):
     assert "[rank 1]" not in done.stderr  # only rank 0 logs training
 
 
+RECORD = ("config.yaml", "metrics.jsonl", "train.log", "checkpoints/last",
+          "checkpoints/epoch_2.pth")
+
+
 @pytest.mark.slow
-def test_test_tool_scores_a_checkpoint(digits_run):
+def test_test_tool_scores_a_checkpoint_in_a_directory_of_its_own(digits_run, tmp_path):
+    """tools/test.py on the trained run (its own work_dir): the scores go to
+    ``test/epoch_2/scores.json`` there, with the test's config.yaml and test.log; the
+    training run's record stays byte for byte as it was. ``--out`` puts them elsewhere, but
+    never into a training run's directory."""
     work_dir, _ = digits_run
-    done = run([sys.executable, str(REPO / "tools" / "test.py"), str(CONFIG),
-                str(work_dir / "checkpoints" / "epoch_2.pth"), "--launcher", "none",
-                "--work-dir", str(work_dir / "test")])
+    checkpoint = work_dir / "checkpoints" / "epoch_2.pth"
+    before = {name: (work_dir / name).read_bytes() for name in RECORD}
+    test = [sys.executable, str(REPO / "tools" / "test.py"), str(CONFIG), str(checkpoint),
+            "--launcher", "none", "--work-dir", str(work_dir)]
+    done = run(test)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loaded weights from" in done.stderr and "test: accuracy 0." in done.stderr
+    assert {name: (work_dir / name).read_bytes() for name in RECORD} == before
+    own = work_dir / "test" / "epoch_2"
+    assert sorted(p.name for p in own.iterdir()) == ["config.yaml", "scores.json", "test.log"]
+    scores = json.loads((own / "scores.json").read_text())
+    assert scores["checkpoint"] == str(checkpoint)
+    assert scores["data"]["split"] == "test" and scores["data"]["type"] == "digits"
+    assert set(scores["metrics"]) == {"accuracy"} and 0.8 < scores["metrics"]["accuracy"] <= 1
+    assert f"test: accuracy {scores['metrics']['accuracy']:.4f}" in done.stderr
+    assert f"test: scores written to {own / 'scores.json'}" in (own / "test.log").read_text()
+    config = (own / "config.yaml").read_text()
+    assert f"load_from: {checkpoint}" in config and "launcher: none" in config
+
+    done = run([*test, "--out", str(tmp_path / "elsewhere")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "elsewhere" / "scores.json").read_text())["metrics"] == \
+        scores["metrics"]
+    for out in (work_dir, work_dir / "checkpoints" / "x"):
+        done = run([*test, "--out", str(out)])
+        assert done.returncode == 2 and "a test never writes" in done.stderr, done.stderr
+    assert {name: (work_dir / name).read_bytes() for name in RECORD} == before
+    assert not (work_dir / "checkpoints" / "x").exists()
 
 
 @pytest.mark.slow
@@ -90,9 +122,9 @@ def test_a_damaged_checkpoint_is_refused_by_test_and_passed_over_by_resume(digit
                              "mismatch (against epoch_2.pth.sha256)") == 1, done.stderr
     assert f"resumed from {copy / 'checkpoints' / 'epoch_1.pth'} at epoch 2" in done.stderr
     unbroken = train_records(work_dir)
-    again = train_records(copy)[len(unbroken):]
-    assert [r["step"] for r in again] == [25, 30, 35, 40]
-    assert [r["loss"] for r in again] == [r["loss"] for r in unbroken[4:]]  # bit for bit
+    again = train_records(copy)  # the lines of the steps after epoch_1 taken out: each once
+    assert [r["step"] for r in again] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert [r["loss"] for r in again] == [r["loss"] for r in unbroken]  # bit for bit
 
 
 FEW = ["schedule.max_epochs=null", "schedule.max_iters=6", "schedule.val_interval=6",
@@ -121,9 +153,9 @@ def test_resume_passes_over_a_damaged_sharded_checkpoint(tmp_path, options, file
     assert done.stderr.count(f"resume: skipped: {damaged} is damaged: {file}: sha256 mismatch "
                              "(against SHA256SUMS)") == 1, done.stderr[-3000:]
     assert f"resumed from {work_dir / 'checkpoints' / 'iter_4.pth'} at epoch" in done.stderr
-    again = train_records(work_dir)[6:]
+    again = train_records(work_dir)  # steps 5 and 6 once, logged again after the resume
     assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"])
-                                                       for r in unbroken[4:]]  # bit for bit
+                                                       for r in unbroken]  # bit for bit
 
 
 # ---------------------------------------------------------------- exact resume after SIGKILL
@@ -267,8 +299,8 @@ def test_resume_mid_epoch_with_dist_train_sh(tmp_path):
     done = run([script, str(CONFIG), "2", "--work-dir", str(resumed), "--resume",
                 str(resumed / "checkpoints" / "iter_10.pth"), "--cfg-options", *options])
     assert done.returncode == 0, done.stderr[-3000:]
-    again = train_records(resumed)[16:]
-    assert [r["step"] for r in again] == list(range(11, 17))
+    again = train_records(resumed)  # steps 11-16 of the first run taken out, logged again
+    assert [r["step"] for r in again] == list(range(1, 17))
     assert all(r["loss"] == expected[r["step"]] for r in again)
 
 

@@ -16,6 +16,7 @@ from tests.cli import CONFIG, REPO, run
 from tests.runner.toy import flip_byte, rehash
 from trainrun.cli import verify_resume as vr
 from trainrun.cli.processes import alive
+from trainrun.runner.run_dir import MetricsFile, RunDir
 
 # ---------------------------------------------------------------- end to end
 
@@ -94,7 +95,7 @@ def test_a_resumed_run_refusing_a_damaged_checkpoint_is_reported_with_its_line(
     flip_byte(damaged)
     (checkpoints / "last").write_text("iter_2.pth\n")
     with pytest.raises(vr.RunFailed) as failed:
-        vr.run_resumed(vr.make_plan([str(CONFIG), "--steps", "4"]), tmp_path, 0)
+        vr.run_resumed(vr.make_plan([str(CONFIG), "--steps", "4"]), tmp_path)
     assert vr._report_failure(failed.value, keep=True) == 1
     report = capsys.readouterr().err.splitlines()
     assert report[0] == (f"error: the resumed run failed (exit 2): resume: no intact checkpoint "
@@ -165,16 +166,21 @@ def test_rewind_removes_the_later_checkpoints_files_and_directories(tmp_path):
         vr.rewind(tmp_path, 20)
 
 
-def test_metrics_records_from_an_offset_skip_a_line_cut_short(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text('{"step": 1, "loss": 2.5, "time": 0.1}\n{"step": 2, "lo')
-    offset = vr.end_line(metrics)
-    assert offset == metrics.stat().st_size and vr.end_line(metrics) == offset
-    with open(metrics, "a") as f:
-        f.write('{"step": 2, "loss": 2.25, "time": 0.3}\n{"step": 2, "mode": "val", "a": 1}\n')
-    assert vr.by_step(vr.read_records(metrics)) == {1: {"loss": 2.5}, 2: {"loss": 2.25}}
-    assert vr.by_step(vr.read_records(metrics, offset)) == {2: {"loss": 2.25}}
-    assert vr.last_validation(vr.read_records(metrics)) == {"step": 2, "mode": "val", "a": 1}
+def test_the_resumed_runs_records_are_those_after_its_mark(tmp_path):
+    """The resume took out the interrupted run's steps after the checkpoint (and its line cut
+    short) and marked itself: what comes after the mark is the resumed run's."""
+    metrics = MetricsFile(tmp_path / "metrics.jsonl")
+    metrics.path.write_text('{"step": 1, "loss": 2.5, "time": 0.1}\n'
+                            '{"step": 2, "loss": 2.0, "time": 0.1}\n{"step": 3, "lo')
+    metrics.resume(1, "iter_1.pth")
+    metrics.write({"step": 2, "loss": 2.25, "time": 0.3})
+    metrics.write({"step": 2, "mode": "val", "a": 1})
+    metrics.close()
+    records = RunDir(tmp_path).read_metrics()
+    assert vr.by_step(records) == {1: {"loss": 2.5}, 2: {"loss": 2.25}}  # each step once
+    assert vr.by_step(vr.after_resume(records)) == {2: {"loss": 2.25}}
+    assert vr.last_validation(vr.after_resume(records)) == {"step": 2, "mode": "val", "a": 1}
+    assert vr.after_resume(records[:1]) == records[:1]  # no mark: every record
 
 
 def test_the_first_mismatch_names_the_step_the_key_and_both_values(capsys):

@@ -8,7 +8,9 @@ newest checkpoint). The output holds the model's tensors only, under the plain m
 so ``model.load_state_dict(...)`` takes it with no trainrun installed; with ``--ema``, the
 EMA hook's average of the weights in place of the trained ones (buffers stay the model's).
 The checkpoint is verified against its manifest of hashes first. OUT is written under a
-temporary name and renamed, so a failed export never leaves a half-written OUT.
+temporary name and renamed, so a failed export never leaves a half-written OUT; it gets the
+permissions of any file the user creates (0o666 less the umask). OUT is never part of a
+training run's record (its config.yaml, metrics.jsonl, train.log or checkpoints/).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from trainrun.runner.checkpoint import read_train_state, read_weights, resolve_c
 from trainrun.runner.files import replacing
 from trainrun.runner.hooks.ema import EMAHook
 from trainrun.runner.manifest import verify_checkpoint
+from trainrun.runner.run_dir import run_owning
 
 FORMATS = ("safetensors", "torch")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -99,8 +102,17 @@ def ema_weights(source: Path, model: dict[str, Tensor]) -> dict[str, Tensor]:
     return {**model, **average}
 
 
+def umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def write(tensors: dict[str, Tensor], out: Path, fmt: str, metadata: dict[str, str]) -> None:
-    """Write ``tensors`` to ``out`` durably, never leaving half a file under its name."""
+    """Write ``tensors`` to ``out`` durably, never leaving half a file under its name. The
+    file gets the permissions of any file the user creates, 0o666 less the umask (safetensors
+    creates its files 0o600)."""
     with replacing(out) as tmp:
         if fmt == "safetensors":
             from safetensors.torch import save_file
@@ -108,12 +120,17 @@ def write(tensors: dict[str, Tensor], out: Path, fmt: str, metadata: dict[str, s
             save_file(tensors, str(tmp), metadata=metadata)
         else:
             torch.save(tensors, tmp)
+        os.chmod(tmp, 0o666 & ~umask())
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str | None = None,
            dtype: str | None = None, force: bool = False, ema: bool = False) -> dict[str, int]:
     """Write the model state of ``checkpoint`` to ``out``; returns counts for the summary."""
     out = Path(out)
+    owner = run_owning(out)
+    if owner is not None:
+        raise ExportError(f"OUT {out} is part of the record of the training run in "
+                          f"{owner.path}, which export never writes; choose another OUT")
     if out.exists() and not force:
         raise ExportError(f"OUT {out} exists; pass --force to replace it")
     if not out.parent.is_dir():

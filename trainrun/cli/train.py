@@ -37,10 +37,10 @@ from trainrun.runner.config import (
     LAUNCHERS,
     ConfigError,
     load_config,
-    saved_config_changes,
 )
 from trainrun.runner.plan import describe_plan, env_rank, make_plan
 from trainrun.runner.preemption import Preempted
+from trainrun.runner.run_dir import RunDir, TestDir, run_owning
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Job:
     world_size: int | None = None  # --world-size (or --nproc): the dry run plans for this many
     nproc: int | None = None  # --nproc: start this many workers here, each with worker_args
     worker_args: list[str] = field(default_factory=list)
+    run_dir: RunDir | None = None  # where the runner writes instead of work_dir (a test's own)
 
 
 # ---------------------------------------------------------------- parsers
@@ -115,7 +116,10 @@ def _ranks(text: str) -> int:
 
 def test_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog("test", "test.py"), description="Test a checkpoint on the config's test data.",
+        prog=prog("test", "test.py"),
+        description="Test a checkpoint on the config's test data. The test writes a directory of\n"
+                    "its own, WORK_DIR/test/<checkpoint> (or --out DIR): config.yaml, test.log\n"
+                    "and scores.json; the training run's own files stay as they are.",
         formatter_class=HelpFormatter,
         epilog=epilog("trainrun test configs/digits_single.yaml work_dirs/digits_single",
                       "torchrun --nproc_per_node 2 -m trainrun test CONFIG CKPT --launcher pytorch",
@@ -123,6 +127,8 @@ def test_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", metavar="CONFIG", help="the YAML config")
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint to test")
     _add_common(parser)
+    parser.add_argument("--out", metavar="DIR",
+                        help="where the test writes (default WORK_DIR/test/CKPT)")
     return parser
 
 
@@ -209,10 +215,9 @@ def _check_resumed_config(cfg: DictConfig, force: bool) -> list[str]:
     """Refuse to resume a run whose config.yaml differs from ``cfg`` in more than its length
     (a changed model, data or optimiser would not resume the run it names), unless forced;
     returns the warning a forced resume gives."""
-    saved_file = Path(cfg.work_dir) / "config.yaml"
-    if not saved_file.is_file():
-        return []
-    changes = saved_config_changes(saved_file, cfg)
+    run_dir = RunDir(cfg.work_dir)
+    saved_file = run_dir.config
+    changes = run_dir.config_changes(cfg)
     if not changes:
         return []
     listed = "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more"
@@ -296,7 +301,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 
 def prepare_test(argv: Sequence[str] | None = None) -> Job:
-    """Parse the test command line; the checkpoint becomes ``load_from`` (and no resume)."""
+    """Parse the test command line; the checkpoint becomes ``load_from`` (and no resume), and
+    the test writes a directory of its own (``_test_dir``)."""
     args = test_parser().parse_args(argv)
     fill_local_rank(args.local_rank)
     if not os.path.exists(args.checkpoint):
@@ -308,9 +314,31 @@ def prepare_test(argv: Sequence[str] | None = None) -> Job:
     cfg = load_config(args.config, args.cfg_options, values=values, mode="test",
                       on_warning=warnings.append)
     check_types(cfg)
+    _check_work_dir(cfg)
+    run_dir = _test_dir(cfg, checkpoint, args.out)
     _check_launcher(cfg)
     _check_backend(cfg)
-    return Job(cfg, warnings + _launcher_warnings(cfg))
+    return Job(cfg, warnings + _launcher_warnings(cfg), run_dir=run_dir)
+
+
+def _test_dir(cfg: DictConfig, checkpoint: str, out: str | None) -> TestDir:
+    """Where a test of ``checkpoint`` writes its config, its log and its scores: ``out``
+    (``--out``), else ``test/<the checkpoint's name>`` in the config's work_dir. Never a
+    training run's record: a directory that holds one, or lies inside one's checkpoints, is
+    a ConfigError."""
+    directory = TestDir(out) if out is not None else RunDir(cfg.work_dir).test_dir(checkpoint)
+    key = "--out" if out is not None else "work_dir"
+    if directory.path.exists() and not directory.path.is_dir():
+        raise ConfigError(f"{key}: {directory.path} is a file; a test writes a directory of "
+                          f"its own")
+    owner = directory if directory.holds_record() else run_owning(directory.path)
+    if owner is not None:
+        what = "holds a training run's record" if owner is directory else \
+            f"is part of the record of the training run in {owner.path}"
+        raise ConfigError(f"{key}: {directory.path} {what}, which a test never writes; give "
+                          f"--out a directory of its own (by default a test writes "
+                          f"WORK_DIR/test/<checkpoint>)")
+    return directory
 
 
 # ---------------------------------------------------------------- running
@@ -400,15 +428,20 @@ def _end(ending: Ending, error: BaseException, runner: Any) -> int:
     return ending.code
 
 
-def run(cfg: DictConfig, method: str) -> int:
-    """Build the runner from ``cfg`` and call its ``method`` ('train' or 'test')."""
+def run(cfg: DictConfig, method: str, run_dir: RunDir | None = None) -> int:
+    """Build the runner from ``cfg`` and call its ``method`` ('train' or 'test'); it writes
+    in ``run_dir`` when given, else in the config's work_dir. A test's own directory
+    (``TestDir``) gets the scores as ``scores.json``."""
     runner = None
     try:
         from trainrun.runner.runner import Runner
 
-        with Runner.from_cfg(cfg) as runner:  # closed however it ends: see Runner.close
+        with Runner.from_cfg(cfg, run_dir) as runner:  # closed however it ends: see close
             try:
-                getattr(runner, method)()
+                result = getattr(runner, method)()
+                if isinstance(runner.run_dir, TestDir) and runner.rank == 0:
+                    scores = runner.run_dir.write_scores(cfg.load_from, cfg.data.test, result)
+                    runner.logger.info("test: scores written to %s", scores)
             except BaseException as error:
                 # under --nproc torchrun ends this process once another rank has exited:
                 # leave the report now, before the run is closed
@@ -465,7 +498,7 @@ def command(prepare: Any, argv: Sequence[str] | None, method: str) -> int:
     if job.nproc is not None:
         return launch(job, job.nproc)
     _report_warnings(job)
-    return run(job.cfg, method)
+    return run(job.cfg, method, job.run_dir)
 
 
 def main(argv: Sequence[str] | None = None, command_name: str = "train") -> int:

@@ -19,7 +19,6 @@ config or command line (one ``error:`` line, no traceback); 130 interrupted (Ctr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -42,9 +41,9 @@ from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.hooks.logger import NOT_REPRODUCIBLE
 from trainrun.runner.manifest import is_sidecar
+from trainrun.runner.run_dir import RunDir, is_resume_mark
 
 EXIT_EXACT, EXIT_DIFFERENT = EXIT_OK, EXIT_FAILED  # this tool's verdicts
-METRICS = "metrics.jsonl"
 POLL_SECONDS = 0.002  # how often the interrupted run's checkpoints/last is looked for
 # wall-clock times, throughput and memory differ in every run
 NOT_COMPARED = ("step", "mode", *NOT_REPRODUCIBLE)
@@ -271,36 +270,12 @@ def rewind(checkpoints: Path, step: int) -> list[str]:
     return removed
 
 
-def end_line(path: Path) -> int:
-    """End a line the kill cut short, so the resumed run's first record starts a line of its
-    own; returns the file's size (where the next run's records begin)."""
-    if not path.is_file():
-        return 0
-    with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return 0
-        f.seek(size - 1)
-        if f.read(1) != b"\n":
-            size += f.write(b"\n")
-    return size
-
-
-def read_records(path: Path, start: int = 0) -> list[dict[str, Any]]:
-    """The JSON lines of ``path`` from byte ``start`` on; a line cut short by a kill is
-    skipped."""
-    if not path.is_file():
-        return []
-    with open(path, "rb") as f:
-        f.seek(start)
-        lines = f.read().decode("utf-8", errors="replace").splitlines()
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+def after_resume(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a resumed run added to metrics.jsonl: those after its resume mark (the
+    resume took out what the interrupted run logged after the checkpoint, and left the mark);
+    every record where there is no mark."""
+    marks = [i for i, record in enumerate(records) if is_resume_mark(record)]
+    return records[marks[-1] + 1:] if marks else records
 
 
 def by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -397,33 +372,32 @@ def run_straight(plan: Plan, root: Path) -> list[dict[str, Any]]:
     if returncode != 0:
         raise RunFailed("straight", returncode, log)
     _say(f"straight: done in {time.monotonic() - began:.1f} s")
-    return read_records(run_dir / METRICS)
+    return RunDir(run_dir).read_metrics()
 
 
-def run_interrupted(plan: Plan, root: Path) -> tuple[list[dict[str, Any]], int]:
+def run_interrupted(plan: Plan, root: Path) -> list[dict[str, Any]]:
     """Phase 2: the same run, SIGKILLed once its step-S/2 checkpoint is saved, then rewound to
-    that checkpoint; returns its records and the byte size of its metrics.jsonl (where the
-    resumed run's records will begin)."""
+    that checkpoint; returns its records."""
     run_dir, log = root / "resumed", root / "interrupted.log"
     _say(f"interrupted: training, to be killed after the step-{plan.half} checkpoint ...")
     began = time.monotonic()
     proc = start(train_command(plan, run_dir), log)
-    killed = kill_after_checkpoint(proc, run_dir / "checkpoints")
+    checkpoints = RunDir(run_dir).checkpoints
+    killed = kill_after_checkpoint(proc, checkpoints)
     if not killed and proc.returncode != 0:
         raise RunFailed("interrupted", proc.returncode, log)
-    metrics = run_dir / METRICS
-    records = read_records(metrics)
+    records = RunDir(run_dir).read_metrics()
     reached = max(by_step(records), default=0)
     how = "killed with SIGKILL" if killed else "ended by itself before the kill could land"
     _say(f"interrupted: {how} after step {reached} ({time.monotonic() - began:.1f} s)")
-    removed = rewind(run_dir / "checkpoints", plan.half)
+    removed = rewind(checkpoints, plan.half)
     if removed:
         _say(f"interrupted: removed the later {', '.join(removed)}, so that the step-"
              f"{plan.half} checkpoint is the newest")
-    return records, end_line(metrics)
+    return records
 
 
-def run_resumed(plan: Plan, root: Path, offset: int) -> list[dict[str, Any]]:
+def run_resumed(plan: Plan, root: Path) -> list[dict[str, Any]]:
     """Phase 3: ``--resume`` in the interrupted run's directory, to step S; returns the
     records it added to metrics.jsonl."""
     run_dir, log = root / "resumed", root / "resumed.log"
@@ -433,7 +407,7 @@ def run_resumed(plan: Plan, root: Path, offset: int) -> list[dict[str, Any]]:
     if returncode != 0:
         raise RunFailed("resumed", returncode, log)
     _say(f"resumed: done in {time.monotonic() - began:.1f} s")
-    return read_records(run_dir / METRICS, offset)
+    return after_resume(RunDir(run_dir).read_metrics())
 
 
 # ---------------------------------------------------------------- verdicts
@@ -507,11 +481,11 @@ def verify(plan: Plan, root: Path) -> int:
     straight = run_straight(plan, root)
     expected = by_step(straight)
     plan = judged_until(plan, max(expected, default=0))
-    interrupted, offset = run_interrupted(plan, root)
+    interrupted = run_interrupted(plan, root)
     code = check_rerun(plan, expected, by_step(interrupted))
     if code is not None:
         return code
-    resumed = run_resumed(plan, root, offset)
+    resumed = run_resumed(plan, root)
     code = check_resumed(plan, expected, by_step(resumed))
     if code is None:
         code = check_validation(plan, last_validation(straight), last_validation(resumed))

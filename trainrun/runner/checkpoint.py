@@ -43,6 +43,7 @@ from trainrun.runner.manifest import (
 from trainrun.wrappers import checkpoint_format  # (the package: every strategy loaded)
 from trainrun.wrappers.base import Optimizers, Strategy
 
+CHECKPOINTS_DIR = "checkpoints"  # where a run directory keeps its checkpoints (and LAST)
 LAST = "last"
 MAX_KEEP = 3  # periodic checkpoints kept by default
 _STEP = re.compile(r"^(epoch|iter)_(\d+)")
@@ -239,7 +240,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 def checkpoints_in(path: str | os.PathLike) -> Path | None:
     """The directory whose ``last`` names the newest checkpoint: ``path`` itself, or
     ``path/checkpoints`` for a work_dir; None where neither has ``last``."""
-    for directory in (Path(path), Path(path) / "checkpoints"):
+    for directory in (Path(path), Path(path) / CHECKPOINTS_DIR):
         if (directory / LAST).is_file():
             return directory
     return None
@@ -256,7 +257,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     directory = checkpoints_in(path)
     if directory is None:
         raise FileNotFoundError(f"{path}: a directory that is not a checkpoint, and has no "
-                                f"'{LAST}' or 'checkpoints/{LAST}' naming one")
+                                f"'{LAST}' or '{CHECKPOINTS_DIR}/{LAST}' naming one")
     named = named_by_last(directory)
     if not named.exists():
         raise FileNotFoundError(f"{directory / LAST} names {named.name}, which is not there")

@@ -1,21 +1,19 @@
-"""Where a run's messages and numbers go.
+"""Where a run's messages go.
 
-Rank 0 logs to the console and to ``train.log``; every other rank logs warnings and errors
-only, prefixed with its rank, so a failure anywhere still reaches the console.
-``metrics.jsonl`` gets one JSON object per line from rank 0.
+Rank 0 logs to the console and to the run directory's log (``train.log``; a test's
+``test.log``); every other rank logs warnings and errors only, prefixed with its rank, so a
+failure anywhere still reaches the console. The numbers go to ``metrics.jsonl``
+(`trainrun.runner.run_dir.MetricsFile`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import sys
 from logging.handlers import MemoryHandler
 from pathlib import Path
-from typing import Any, TextIO
 
-from trainrun.dist import get_rank, master_only
+from trainrun.dist import get_rank
 
 LOGGER_NAME = "trainrun"
 
@@ -95,40 +93,3 @@ def attach_log_file(path: Path) -> None:
         logger.removeHandler(held)
         held.close()
     logger.addHandler(file_handler)
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-ready value: tensors and numpy scalars as Python numbers, full precision."""
-    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN or Infinity
-    return value
-
-
-class MetricsFile:
-    """Appends one JSON object per line to ``metrics.jsonl``; writes on rank 0 only. A line
-    that a killed run left cut short is ended first, so a resumed run's lines stay whole.
-    The file stays open between lines (opening it costs about as much as the line itself)
-    and each line is flushed as it is written, so a killed run loses none."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file: TextIO | None = None
-
-    @master_only
-    def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({key: _plain(value) for key, value in record.items()}) + "\n"
-        if self._file is None:
-            if self.path.is_file() and self.path.stat().st_size:
-                with open(self.path, "rb") as f:
-                    f.seek(-1, 2)
-                    if f.read(1) != b"\n":
-                        line = "\n" + line
-            self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-        self._file.write(line)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

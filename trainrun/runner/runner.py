@@ -11,14 +11,12 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
@@ -61,15 +59,8 @@ from trainrun.runner.checkpoint import (
     read_weights,
     resolve_checkpoint,
 )
-from trainrun.runner.config import (
-    DEFAULT_DIST_TIMEOUT,
-    LAUNCH_KEYS,
-    ConfigError,
-    check_compile,
-    saved_config_changes,
-)
+from trainrun.runner.config import DEFAULT_DIST_TIMEOUT, ConfigError, check_compile
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.files import write_atomically
 from trainrun.runner.hooks import (
     CheckpointHook,
     Hook,
@@ -82,11 +73,12 @@ from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
 from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
-from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
+from trainrun.runner.logging import attach_log_file, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
 from trainrun.runner.manifest import DamagedCheckpoint, verify_checkpoint
 from trainrun.runner.optim import build_scheduler, optimizer_factory, wrap_optimizers
 from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_signals
+from trainrun.runner.run_dir import RunDir
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
 from trainrun.runner.stream import is_sized, is_stream, stream_warnings
@@ -118,6 +110,7 @@ class Runner:
         device: the device this rank computes on (its CUDA device, else the CPU).
         seed: the random seed of the run (rank 0's, on every rank).
         work_dir: the run directory, as a ``Path``.
+        run_dir: the run directory as a ``RunDir``: the paths of what the run keeps there.
         logger: the ``trainrun`` logger (the console; ``train.log`` on rank 0).
         cfg: the config the runner was built from (None for one built from objects).
         model: the model as the strategy wrapped it (its ``train_step``, ``val_step`` and
@@ -151,7 +144,8 @@ class Runner:
         model: the model (a ``BaseModel``, or any module meeting the step contract), or its
             config section: ``{'type': name or import path, **arguments}``.
         work_dir: the run directory: ``config.yaml``, ``metrics.jsonl``, ``train.log`` and
-            ``checkpoints/`` are written there.
+            ``checkpoints/`` are written there; or a ``RunDir`` (a ``TestDir`` for a test of
+            its own, which writes ``test.log``).
         train_dataloader: the training data: a ``DataLoader`` or a data section
             (``{'type': ..., 'batch_size': ..., ...}``); None: no training (and no optimiser).
         val_dataloader: the validation data, as ``train_dataloader``; or several named sets,
@@ -209,7 +203,7 @@ class Runner:
     def __init__(
         self,
         model: nn.Module | Mapping[str, Any],
-        work_dir: str | os.PathLike,
+        work_dir: str | os.PathLike | RunDir,
         train_dataloader: DataLoader | Mapping[str, Any] | None = None,
         val_dataloader: DataLoader | Mapping[str, Any] | None = None,  # or a dict of either
         test_dataloader: DataLoader | Mapping[str, Any] | None = None,
@@ -245,7 +239,8 @@ class Runner:
             self.resume_from = resume
             self.stop_signals = PREEMPTION("preemption", preemption)["signals"]
             self.load_from = load_from
-            self.work_dir = Path(work_dir)
+            self.run_dir = work_dir if isinstance(work_dir, RunDir) else RunDir(work_dir)
+            self.work_dir = self.run_dir.path
             # the console now; train.log (with what was logged before) once the run directory is
             # made, after everything the config describes was built: a config that cannot be
             # built leaves no trace on disk
@@ -287,7 +282,7 @@ class Runner:
             check_best_metric("checkpoint.save_best", checkpoint["save_best"],
                               list(self.val_dataloader) if isinstance(self.val_dataloader, dict)
                               else None)
-            self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
+            self.checkpoints = CheckpointManager(self.run_dir.checkpoints, self.strategy,
                                                  max_keep=checkpoint["max_keep"])
             self._intact: set[Path] = set()  # checkpoints verified against their manifests
             self.start_from = self._start_point()  # damaged: refused before anything is written
@@ -296,7 +291,7 @@ class Runner:
             logging = self._section(check_logging, "logging", logging)  # and the logging's
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
             self._prepare_work_dir()
-            self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
+            self.metrics_file = self.run_dir.metrics_file()
             self.timer = IterTimerHook(count_batches=logging["step_metrics"])
             self.hooks = self._hooks(extra_hooks, logging, checkpoint, schedule["val_interval"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
@@ -315,13 +310,16 @@ class Runner:
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig | Mapping[str, Any]) -> Runner:
+    def from_cfg(cls, cfg: DictConfig | Mapping[str, Any],
+                 run_dir: RunDir | None = None) -> Runner:
         """Build a runner from a config loaded and validated by ``trainrun.runner.config``.
 
         Args:
             cfg: the validated config (an OmegaConf ``DictConfig`` or a plain mapping); its
                 sections become the constructor's arguments, and the config itself its
                 ``cfg``.
+            run_dir: where the run writes, in place of the config's ``work_dir`` (a test's
+                own ``TestDir``); None: ``work_dir``.
 
         Returns:
             The runner, built (the process group joined when ``launcher`` says so).
@@ -336,7 +334,7 @@ class Runner:
         data = plain.get("data") or {}
         return cls(
             model=plain["model"],
-            work_dir=plain["work_dir"],
+            work_dir=run_dir or plain["work_dir"],
             train_dataloader=data.get("train"),
             val_dataloader=data.get("val"),
             test_dataloader=data.get("test"),
@@ -361,41 +359,22 @@ class Runner:
 
     def _prepare_work_dir(self) -> None:
         """Rank 0 creates the run directory and takes its lock (another live job holding it
-        is refused on every rank), writes the resolved config and starts train.log."""
+        is refused on every rank), writes the resolved config and starts the log
+        (``train.log``; a test's ``test.log``)."""
         refused = [None]
         if self.rank == 0:
-            self.work_dir.mkdir(parents=True, exist_ok=True)
-            self.run_lock = RunLock(self.work_dir)
             try:
-                self.run_lock.acquire()
+                self.run_lock = self.run_dir.acquire()
             except RunDirectoryBusy as error:
                 refused[0] = str(error)
         broadcast_object_list(refused)
         if refused[0] is not None:
             raise RunDirectoryBusy(refused[0])
-        if self.rank == 0:
-            if self.cfg is not None:
-                self._write_config(self.work_dir / "config.yaml")
+        if self.rank == 0 and self.cfg is not None:
+            self.run_dir.write_config(self.cfg, resumed=bool(self.resume_from))
         barrier()
         if self.rank == 0:
-            attach_log_file(self.work_dir / "train.log")
-
-    def _write_config(self, config_file: Path) -> None:
-        """Write the resolved config, unless a resumed run's config.yaml already says the same
-        (how its processes start aside); one that differs (a longer schedule, or anything with
-        --force) is kept beside it as ``config.<time>.yaml``."""
-        if self.resume_from and config_file.exists():
-            if not saved_config_changes(config_file, self.cfg, may_change=LAUNCH_KEYS):
-                return
-            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
-            kept = config_file.with_name(f"config.{stamp}.yaml")
-            while kept.exists():
-                n += 1
-                kept = config_file.with_name(f"config.{stamp}-{n}.yaml")
-            os.replace(config_file, kept)
-        write_atomically(config_file, OmegaConf.to_yaml(self.cfg, resolve=True)
-                         if isinstance(self.cfg, DictConfig)
-                         else yaml.safe_dump(dict(self.cfg), sort_keys=False))
+            attach_log_file(self.run_dir.log)
 
     def _log_restart(self) -> None:
         """Say when this process is a restart: torchrun's (``--max-restarts``, after a worker

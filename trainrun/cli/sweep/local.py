@@ -69,9 +69,10 @@ def wait_point(proc: subprocess.Popen, point: Point, total: int) -> tuple[int, b
 def train_point(sweep: Sweep, point: Point) -> tuple[int, bool]:
     """Train one point to its end (or its interruption) and record how it ended."""
     from trainrun.runner.checkpoint import named_by_last
+    from trainrun.runner.run_dir import RunDir
 
     total = len(sweep.points)
-    resumed = named_by_last(point.work_dir / "checkpoints")
+    resumed = named_by_last(RunDir(point.work_dir).checkpoints)
     progress(point, total, f"resuming from {resumed.name}" if resumed else "training")
     started = time.monotonic()
     proc = start_point(sweep, point)

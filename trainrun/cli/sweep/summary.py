@@ -18,8 +18,10 @@ from trainrun.runner.files import replacing, write_atomically
 
 
 def read_point(work_dir: Path) -> tuple[Series, Series]:
-    """A point's training and validation series, one value per step: where an attempt was cut
-    short and a resumed one logged the same step again, the later line counts."""
+    """A point's training and validation series, one value per step. A resume takes the lines
+    of the steps it trains again out of metrics.jsonl; in a file written before it did, where
+    an attempt was cut short and a resumed one logged the same step again, the later line
+    counts."""
     try:
         train, val = read_run(work_dir)
     except ValueError:  # no metrics.jsonl, or nothing in it yet

@@ -4,7 +4,9 @@ Every ``interval`` iterations each rank sends its logged values, with its counts
 metrics, to rank 0 in one small collective that rank 0 finishes a step later (the next step
 trains meanwhile), and rank 0 writes the values' means over the ranks with the step metrics
 (`STEP_METRICS`: gradient norm, throughput, where the time went, peak memory) unless
-``logging.step_metrics`` is false. A step's line is on disk before its checkpoint.
+``logging.step_metrics`` is false. A step's line is on disk before its checkpoint, and a
+resumed run takes out the lines of the steps after its checkpoint before it writes its
+own (`trainrun.runner.run_dir.MetricsFile.resume`): each step has one line.
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -75,6 +77,16 @@ class LoggerHook(Hook):
         self._pending: LoggedStep | None = None  # a logged step whose numbers are on the way
 
     def before_train(self, runner: Any) -> None:
+        """A resumed run first takes out of metrics.jsonl what the steps after its checkpoint
+        logged (a run killed after that checkpoint went on) and marks the resume there
+        (rank 0), so that each step has one line; then the trackers start and the progress
+        bar appears."""
+        if resuming(runner) and ("jsonl" in self.backends or runner.metrics_file.path.exists()):
+            dropped = runner.metrics_file.resume(runner.iter, runner.start_from[1])
+            if dropped:  # (None on the other ranks)
+                get_logger().info("%s: took out the %d line(s) logged after step %d, which "
+                                  "this run trains again", runner.metrics_file.path.name,
+                                  dropped, runner.iter)
         self._started = (time.monotonic(), runner.iter)
         self._measuring = None
         if self.trackers:

@@ -104,7 +104,7 @@ class ProfilerHook(Hook):
         if runner.rank not in self.ranks:
             return
         o = self.options
-        self._directory = Path(runner.work_dir) / "profile" / f"rank{runner.rank}"
+        self._directory = runner.run_dir.profile / f"rank{runner.rank}"
         self._directory.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
@@ -147,7 +147,7 @@ class ProfilerHook(Hook):
         if not is_main_process():
             return
         traces = [entry for part in written for entry in part]
-        root = Path(runner.work_dir) / "profile"
+        root = runner.run_dir.profile
         if not traces:
             get_logger().info("profiler: no trace written: training ended before a traced "
                               "step (wait %d, warmup %d)", self.options["wait"],
