@@ -64,7 +64,7 @@ def torchrun(*args: str) -> list[str]:
 
 
 def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run ``cmd`` with `env`, its output and errors captured as text."""
+    """Run ``cmd`` with ``env``, its output and errors captured as text."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
 
 

@@ -71,7 +71,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def child_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tool run in process, its runs started with the command-line tests' environment
-    (`tests.cli.env`: the test models importable, one thread a process); saves the tool's
+    (``tests.cli.env``: the test models importable, one thread a process); saves the tool's
     own start-up."""
     use_env(monkeypatch, env())
 

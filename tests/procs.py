@@ -10,6 +10,7 @@ fails the test with that rank's traceback.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import time
@@ -155,3 +156,10 @@ class DistPool:
                 proc.kill()
                 proc.join()
         self._procs, self._conns = [], []
+
+
+def released(*objects: Any) -> None:
+    """Let go of a body's DDP objects at once: DDP's reducer must be gone before the pool
+    destroys the group (gloo can abort)."""
+    del objects
+    gc.collect()

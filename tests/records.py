@@ -1,11 +1,13 @@
 """Reading a run's ``metrics.jsonl`` in tests: every record, the training ones, the validation
-ones, the losses."""
+ones, the losses, the gradient norms."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+import pytest
 
 
 def records(work_dir: str | os.PathLike) -> list[dict]:
@@ -34,3 +36,15 @@ def losses(work_dir: str | os.PathLike) -> dict[int, float]:
 def loss_list(work_dir: str | os.PathLike) -> list[tuple[int, float]]:
     """(step, loss) of every training line, in order, repeats included."""
     return [(r["step"], r["loss"]) for r in train_records(work_dir)]
+
+
+def grad_norms(work_dir: str | os.PathLike) -> dict[int, float]:
+    """The logged gradient norms by step (the steps that stepped the optimiser)."""
+    return {r["step"]: r["grad_norm"] for r in records(work_dir) if "grad_norm" in r}
+
+
+def assert_same_norms(a: dict[int, float], b: dict[int, float]) -> None:
+    """The same steps, and at each a gradient norm within 1e-4 (relative) of the other's."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))  # (a helper: pytest does not explain it)
+    for step, norm in a.items():
+        assert b[step] == pytest.approx(norm, rel=1e-4), step

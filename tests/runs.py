@@ -1,7 +1,7 @@
 """The runs the tests train once and share: session fixtures, registered for every test by
 tests/conftest.py.
 
-A fixture made with `shared_run` is computed once per session, and the tests that ask for it
+A fixture made with ``shared_run`` is computed once per session, and the tests that ask for it
 are sent to one pytest-xdist worker (``--dist loadgroup``, as ``make test`` runs the suite),
 so that the run is trained once per suite rather than once per worker. A test that needs one
 of these runs asks for its fixture; it does not train the same run again.
@@ -20,7 +20,7 @@ import torch
 from tests.cli import CONFIG, SHORT, SLOW, run, torchrun
 from trainrun.runner.runner import Runner
 
-RUN_FIXTURES: set[str] = set()  # the names of the fixtures made with `shared_run`
+RUN_FIXTURES: set[str] = set()  # the names of the fixtures made with ``shared_run``
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,7 +34,7 @@ def shared_run(function: F) -> F:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test that asks for a `shared_run` fixture ``xdist_group`` with the fixture's
+    """Mark each test that asks for a ``shared_run`` fixture ``xdist_group`` with the fixture's
     name: what ``--dist loadgroup`` reads to send them all to one worker (without xdist, or
     under another ``--dist``, the mark changes nothing)."""
     for item in items:
@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @shared_run
 def digits_run(tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[Path, subprocess.CompletedProcess]:
-    """digits_ddp for 2 epochs on 2 processes under torchrun (`SHORT`): the run directory, and
+    """digits_ddp for 2 epochs on 2 processes under torchrun (``SHORT``): the run directory, and
     the finished command (for its output)."""
     work_dir = tmp_path_factory.mktemp("cli") / "digits"
     done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
@@ -58,7 +58,7 @@ def digits_run(tmp_path_factory: pytest.TempPathFactory
 
 @shared_run
 def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
-    """``straight()``: the work_dir of an uninterrupted `SLOW` ddp run, trained (at the first
+    """``straight()``: the work_dir of an uninterrupted ``SLOW`` ddp run, trained (at the first
     call) once for all the tests that compare a stopped and resumed job against it."""
     runs: list[tuple[Path, subprocess.CompletedProcess]] = []
 
@@ -82,7 +82,7 @@ COMPILE_STEPS = 19  # the first epoch's full batches (the 20th is smaller: anoth
 
 @shared_run
 def compile_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shipped digits config, `COMPILE_STEPS` steps on 2 processes, uncompiled (``plain``)
+    """The shipped digits config, ``COMPILE_STEPS`` steps on 2 processes, uncompiled (``plain``)
     and compiled (``compiled``): the directory holding both."""
     root = tmp_path_factory.mktemp("compile")
     for name, compile_ in [("plain", "false"), ("compiled", "true")]:
@@ -108,7 +108,7 @@ HOOK_OPTIONS = ["schedule.max_epochs=null", "schedule.max_iters=200", "schedule.
 
 
 def hooks_command(work_dir: Path, *hooks: str, resume: bool = False) -> list[str]:
-    """The digits config on 2 processes under torchrun with `HOOK_OPTIONS` and ``hooks``."""
+    """The digits config on 2 processes under torchrun with ``HOOK_OPTIONS`` and ``hooks``."""
     return torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
                     *(["--resume"] if resume else []), "--cfg-options", *HOOK_OPTIONS,
                     f"hooks=[{', '.join(hooks)}]")
@@ -117,7 +117,7 @@ def hooks_command(work_dir: Path, *hooks: str, resume: bool = False) -> list[str
 @shared_run
 def hooks_run(tmp_path_factory: pytest.TempPathFactory
               ) -> tuple[Path, subprocess.CompletedProcess]:
-    """The hooks' run that nobody stops (`EARLY`, `COUNTER`), with the profiler tracing steps
+    """The hooks' run that nobody stops (``EARLY``, ``COUNTER``), with the profiler tracing steps
     3-4 on both ranks: the run directory and the finished command."""
     work_dir = tmp_path_factory.mktemp("hooks") / "straight"
     done = run(hooks_command(work_dir, EARLY, COUNTER, PROFILER))
@@ -151,7 +151,7 @@ def _export_body(work_dir: str, strategy: Any) -> dict[str, torch.Tensor]:
 @shared_run
 def export_runs(tmp_path_factory: pytest.TempPathFactory, run_on: Callable
                 ) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
-    """One 2-rank run of the toy model per strategy of `EXPORT_STRATEGIES`: its work_dir and
+    """One 2-rank run of the toy model per strategy of ``EXPORT_STRATEGIES``: its work_dir and
     its final weights."""
     base = tmp_path_factory.mktemp("export")
     out = {}

@@ -59,7 +59,7 @@ def _save_body(root: str) -> int:
 
 @shared_run
 def saved(run_on, tmp_path_factory) -> dict[str, Path]:
-    """One checkpoint of each kind in `SAVES`, saved by 2 ranks (once a session: the tests
+    """One checkpoint of each kind in ``SAVES``, saved by 2 ranks (once a session: the tests
     asking for it share an xdist worker)."""
     root = tmp_path_factory.mktemp("hashed")
     assert run_on(2)(_save_body, str(root)) == [0, 1]

@@ -55,7 +55,7 @@ class ToyModel(BaseModel):
 
 
 class NormToy(BaseModel):
-    """`ToyModel`'s shape with a LayerNorm between its layers (the paramwise
+    """``ToyModel``'s shape with a LayerNorm between its layers (the paramwise
     tests' model: in process and on 2 ranks)."""
 
     def __init__(self, features: int = 4, hidden: int = 8):

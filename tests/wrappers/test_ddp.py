@@ -3,7 +3,6 @@ the step contract, buffers, options, and naming parameters that got no gradient.
 
 from __future__ import annotations
 
-import gc
 import logging
 import warnings
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 import trainrun.dist as dist
+from tests.procs import released
 from tests.runner.toy import ToyModel, UnusedParamModel, batch_of, flat_params
 from trainrun.runner.optim import OptimWrapper
 from trainrun.wrappers import DDPStrategy, MMDistributedDataParallel, is_model_wrapper
@@ -45,12 +45,6 @@ class CaptureLog(logging.Handler):
         return [r.getMessage() for r in self.records if r.levelno >= logging.ERROR]
 
 
-def _released(*objects) -> None:
-    """DDP's reducer must be gone before the pool destroys the group (gloo can abort)."""
-    del objects
-    gc.collect()
-
-
 # ---------------------------------------------------------------- gradients
 
 
@@ -72,7 +66,7 @@ def _averaged_gradients_body():
         for p in reference.parameters():
             p -= 0.1 * p.grad
     result = start, flat_params(model.module), flat_params(reference), logged["loss"].item()
-    _released(model, wrapper)
+    released(model, wrapper)
     return result
 
 
@@ -95,7 +89,7 @@ def _eval_steps_body():
     val, test = model.val_step(batch), model.test_step(batch)
     expected = model.module(batch, mode="predict")
     result = torch.equal(val, expected), torch.equal(test, expected), val.shape
-    _released(model)
+    released(model)
     return result
 
 
@@ -126,7 +120,7 @@ def _anomalous_body(detect, model_cls):
     with CaptureLog() as log:
         for _ in range(2):
             model.train_step(batch_of(dist.get_rank()), wrapper)
-    _released(model, wrapper)
+    released(model, wrapper)
     return log.errors()
 
 
@@ -161,7 +155,7 @@ def _buffers_body(broadcast_buffers):
     model.train_step(batch_of(rank), wrapper)
     result = model.module.stat.tolist(), [str(w.message) for w in caught
                                           if issubclass(w.category, FutureWarning)]
-    _released(model, wrapper)
+    released(model, wrapper)
     return result
 
 
@@ -194,7 +188,7 @@ def _strategy_body(options):
     state = {k: torch.full_like(v, 0.5) for k, v in strategy.model_state_dict(model).items()}
     strategy.load_model_state_dict(model, state)
     seen["loaded"] = bool((flat_params(model.module) == 0.5).all())
-    _released(model, optimizer)
+    released(model, optimizer)
     return seen
 
 

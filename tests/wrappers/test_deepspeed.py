@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.records import losses, records
+from tests.records import assert_same_norms, grad_norms, losses, records
 from tests.runner.toy import CrashAfter, Killed, Payload, rehash
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.runner import Runner
@@ -110,17 +110,6 @@ def _runner(work_dir, strategy, *, max_iters=40, checkpoint=None, resume=False, 
 
 
 
-def _norms(work_dir) -> dict[int, float]:
-    """The logged gradient norms by step (the steps that stepped the optimiser)."""
-    return {r["step"]: r["grad_norm"] for r in records(work_dir) if "grad_norm" in r}
-
-
-def _same_norms(a: dict[int, float], b: dict[int, float]) -> None:
-    assert sorted(a) == sorted(b)
-    for step, norm in a.items():
-        assert b[step] == pytest.approx(norm, rel=1e-4), step
-
-
 def _shares_master(strategy) -> bool:
     """Whether ZeRO-3's fp32 master partitions are the parameter partitions' memory."""
     zero = strategy.engine.optimizer
@@ -157,8 +146,8 @@ def test_zero_stages_log_the_losses_of_ddp(run_on, tmp_path, stage):
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
     assert [r["step"] for r in records(tmp_path / "ds") if r.get("mode") == "val"] == [20, 40]
-    assert sorted(_norms(tmp_path / "ds")) == list(range(1, 41))
-    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "ds"))
+    assert sorted(grad_norms(tmp_path / "ds")) == list(range(1, 41))
+    assert_same_norms(grad_norms(tmp_path / "ddp"), grad_norms(tmp_path / "ds"))
 
 
 def _options_body(base, strategy, max_iters, optim, precision):
@@ -192,8 +181,8 @@ def test_accumulation_clipping_and_a_short_last_group_match_ddp(run_on, tmp_path
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, rel=1e-4), step
     # norms (before clipping) on the steps that stepped: every third, and the short group's
-    assert sorted(_norms(tmp_path / "ds")) == [*range(3, max_iters, 3), max_iters]
-    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "ds"))
+    assert sorted(grad_norms(tmp_path / "ds")) == [*range(3, max_iters, 3), max_iters]
+    assert_same_norms(grad_norms(tmp_path / "ddp"), grad_norms(tmp_path / "ds"))
 
 
 @pytest.mark.slow

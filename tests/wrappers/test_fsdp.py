@@ -3,7 +3,6 @@ checkpoints that resume exactly and reshard (2 -> 3 -> 2 ranks), weights across 
 
 from __future__ import annotations
 
-import json
 import pickle
 import warnings
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.records import loss_list
+from tests.records import assert_same_norms, grad_norms, loss_list
 from tests.runner.toy import CrashAfter, Killed, Payload, ToyModel
 from trainrun.runner.checkpoint import CheckpointManager, model_mismatch, newest_first
 from trainrun.runner.config import load_config
@@ -63,18 +62,6 @@ def _runner(work_dir, strategy="fsdp", *, max_iters=8, size=64, checkpoint=None,
         load_from=load_from,
     )
 
-
-
-def _norms(work_dir) -> dict[int, float]:
-    """The logged gradient norms by step (the steps that stepped the optimiser)."""
-    lines = (Path(work_dir) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["grad_norm"] for r in map(json.loads, lines) if "grad_norm" in r}
-
-
-def _same_norms(a: dict[int, float], b: dict[int, float]) -> None:
-    assert sorted(a) == sorted(b)
-    for step, norm in a.items():
-        assert b[step] == pytest.approx(norm, rel=1e-4), step
 
 
 def _train_body(work_dir, strategy, max_iters, optim=None):
@@ -208,8 +195,8 @@ def test_fsdp_losses_equal_ddp_for_40_steps(run_on, tmp_path):
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
     # the logged gradient norm (no clipping: measured for the log) is the whole gradient's
-    assert sorted(_norms(tmp_path / "fsdp")) == list(range(1, 41))
-    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "fsdp"))
+    assert sorted(grad_norms(tmp_path / "fsdp")) == list(range(1, 41))
+    assert_same_norms(grad_norms(tmp_path / "ddp"), grad_norms(tmp_path / "fsdp"))
 
 
 @pytest.mark.parametrize("options", [
@@ -239,8 +226,8 @@ def test_accumulation_and_clipping_match_ddp(run_on, tmp_path):
     assert len(fsdp) == 10
     for (step, a), (_, b) in zip(ddp, fsdp, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (step, a, b)
-    assert sorted(_norms(tmp_path / "fsdp")) == [2, 4, 6, 8, 10]  # the steps that stepped
-    _same_norms(_norms(tmp_path / "ddp"), _norms(tmp_path / "fsdp"))
+    assert sorted(grad_norms(tmp_path / "fsdp")) == [2, 4, 6, 8, 10]  # the steps that stepped
+    assert_same_norms(grad_norms(tmp_path / "ddp"), grad_norms(tmp_path / "fsdp"))
 
 
 def test_checkpoint_manager_publishes_and_cleans_directories(tmp_path):

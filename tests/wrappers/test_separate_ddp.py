@@ -3,7 +3,6 @@ one DDP per trainable submodule, the module's own train_step, and plain checkpoi
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainrun.dist as dist
+from tests.procs import released
 from tests.runner.toy import CrashAfter, Killed, TwoNets, batch_of, flat_grads, flat_params
 from trainrun.examples.gan import ToyGAN
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict
@@ -40,11 +40,6 @@ def _setup(seed):
     return SeparateDDPStrategy().setup(TwoNets(), CPU, make_optimizers)
 
 
-def _released(*objects) -> None:
-    del objects
-    gc.collect()
-
-
 def _wrap_and_step_body():
     rank, world = dist.get_dist_info()
     model, optimizers = _setup(seed=rank)
@@ -71,7 +66,7 @@ def _wrap_and_step_body():
         "is_wrapper": is_model_wrapper(model),
         "wrapper_type": type(model) is MMSeparateDistributedDataParallel,
     }
-    _released(model, optimizers)
+    released(model, optimizers)
     return result
 
 
@@ -107,7 +102,7 @@ def _no_sync_body():
     inner.loss_a(batch_of(rank)).backward()
     inner.loss_b(batch_of(rank)).backward()
     synced = flat_grads(inner)
-    _released(model, optimizers)
+    released(model, optimizers)
     return local, synced
 
 
@@ -134,7 +129,7 @@ def _state_body(base):
     momentum = [torch.equal(fresh_optimizers[n].state_dict()["state"][0]["momentum_buffer"],
                             optimizers[n].state_dict()["state"][0]["momentum_buffer"])
                 for n in ("a", "b")]
-    _released(model, optimizers, fresh, fresh_optimizers)
+    released(model, optimizers, fresh, fresh_optimizers)
     return sorted(plain), raw_keys, restored, momentum, extra
 
 
@@ -164,7 +159,7 @@ def _gan_body():
               for _ in range(3)]
     points = model.val_step({"noise": torch.zeros(3, 2)})
     result = wrapped, losses, flat_params(model.module), points.shape
-    _released(model, optimizers, optim_wrapper)
+    released(model, optimizers, optim_wrapper)
     return result
 
 
