@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from gloo_ranks import Layers, run_on_ranks
 
+from trainrun.checkpoint.manager import CheckpointManager
+from trainrun.checkpoint.manifest import verify_checkpoint
 from trainrun.dist import barrier, get_rank, is_main_process
-from trainrun.runner.checkpoint import CheckpointManager
-from trainrun.runner.manifest import verify_checkpoint
 from trainrun.wrappers import STRATEGIES, base, deepspeed
 
 WIDTH = 2048

@@ -14,7 +14,8 @@ from torch import nn
 
 from tests.records import loss_list
 from tests.runner.toy import CrashAfter, Killed, Payload, ToyModel
-from trainrun.runner.checkpoint import CheckpointManager, model_mismatch, newest_first
+from trainrun.checkpoint.manager import CheckpointManager, newest_first
+from trainrun.checkpoint.resume import model_mismatch
 from trainrun.runner.config import load_config
 from trainrun.runner.hooks import Hook
 from trainrun.runner.runner import Runner
