@@ -19,12 +19,12 @@ from tests.runner.test_manifest import flip_byte
 from tests.runner.toy import CrashAfter, Killed, ToyModel, rehash, write_crafted_checkpoint
 from trainrun.checkpoint import manager as manager_module
 from trainrun.checkpoint import manifest
+from trainrun.checkpoint.format import load_state_file
 from trainrun.checkpoint.manager import CheckpointManager, newest_first
 from trainrun.checkpoint.manifest import verify_checkpoint
 from trainrun.runner.config import ConfigError
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
-from trainrun.wrappers.base import load_state_file
 
 CPU = torch.device("cpu")
 

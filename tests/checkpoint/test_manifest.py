@@ -14,6 +14,7 @@ import torch
 
 from tests.runner.toy import ToyModel
 from trainrun.checkpoint import manifest
+from trainrun.checkpoint.files import save_state_file, sha256_of, written_sha256
 from trainrun.checkpoint.manager import CheckpointManager
 from trainrun.checkpoint.manifest import (
     DamagedCheckpoint,
@@ -25,7 +26,6 @@ from trainrun.checkpoint.manifest import (
 from trainrun.checkpoint.read import check_checkpoint_file
 from trainrun.dist import get_rank
 from trainrun.wrappers import STRATEGIES
-from trainrun.wrappers.base import save_state_file, sha256_of, written_sha256
 
 # (strategy, its options, saved in the background); the files each must list at least
 SAVES = {

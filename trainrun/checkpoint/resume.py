@@ -3,7 +3,7 @@
 A run resumes (``resume``: its newest intact checkpoint, or the one named) or starts from the
 weights of another (``load_from``). Both are chosen, verified against their manifests and
 checked against the model before anything is written, so a checkpoint the run cannot use is
-refused at once (`UnusableCheckpoint`, which the runner reports as a config error).
+refused at once (`UnusableCheckpoint`, or the runner's config error).
 """
 
 from __future__ import annotations
@@ -75,10 +75,15 @@ class StartPoint:
 
     Args:
         directory: the run's ``checkpoints`` directory, where ``resume: true`` looks.
+        refusal: the exception (a subclass of ValueError) a checkpoint the run cannot use
+            raises, given its one-line message: the runner's ``ConfigError``, so that it is
+            refused as a config is; by default `UnusableCheckpoint`.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path,
+                 refusal: type[ValueError] = UnusableCheckpoint) -> None:
         self.directory = directory
+        self.refusal = refusal
         self._intact: set[Path] = set()  # checkpoints verified against their manifests
 
     def choose(self, resume: bool | str | os.PathLike, load_from: str | os.PathLike | None
@@ -99,8 +104,8 @@ class StartPoint:
             How and from what the run starts, or None.
 
         Raises:
-            UnusableCheckpoint: a damaged checkpoint named by path, a run directory whose
-                checkpoints are all damaged, or a path that names no checkpoint.
+            ValueError: ``refusal``, for a damaged checkpoint named by path, a run directory
+                whose checkpoints are all damaged, or a path that names no checkpoint.
         """
         if resume:
             given = None if resume is True else Path(resume)
@@ -112,7 +117,7 @@ class StartPoint:
                 directory = checkpoints_in(given) if given else self.directory
                 found = newest_intact(directory, _log_skipped)
             except (FileNotFoundError, ValueError) as error:
-                raise UnusableCheckpoint(f"resume: {error}") from None
+                raise self.refusal(f"resume: {error}") from None
             if found is not None:
                 _log_if_unverified(*found)
                 self._intact.add(found[0])
@@ -123,7 +128,7 @@ class StartPoint:
             try:
                 path = resolve_checkpoint(load_from)
             except FileNotFoundError as error:
-                raise UnusableCheckpoint(f"load_from: {error}") from None
+                raise self.refusal(f"load_from: {error}") from None
             return "load", self.verified("load_from", path)
         return None
 
@@ -138,19 +143,18 @@ class StartPoint:
             ``path``.
 
         Raises:
-            UnusableCheckpoint: the checkpoint is damaged (the message names ``key``, the
-                checkpoint and the file that failed).
+            ValueError: ``refusal``, for a damaged checkpoint (the message names ``key``,
+                the checkpoint and the file that failed).
         """
         if path not in self._intact:
             try:
                 _log_if_unverified(path, verify_checkpoint(path))
             except DamagedCheckpoint as error:
-                raise UnusableCheckpoint(f"{key}: {error}") from None
+                raise self.refusal(f"{key}: {error}") from None
             self._intact.add(path)
         return path
 
-    @staticmethod
-    def check_fits(start: Start | None, shapes: dict[str, tuple[int, ...]]) -> None:
+    def check_fits(self, start: Start | None, shapes: dict[str, tuple[int, ...]]) -> None:
         """Refuse a checkpoint to start from that another model wrote: a tensor missing, or of
         another shape, against ``shapes`` (the model's), read from the checkpoint's records
         of its tensors.
@@ -160,7 +164,7 @@ class StartPoint:
             shapes: the shape of every tensor of the model's state, by name.
 
         Raises:
-            UnusableCheckpoint: naming the first tensor that does not fit, or why the
+            ValueError: ``refusal``, naming the first tensor that does not fit, or why the
                 checkpoint's records cannot be read.
         """
         if start is None:
@@ -170,9 +174,9 @@ class StartPoint:
         try:
             mismatch = model_mismatch(shapes, model_shapes(path))
         except (OSError, ValueError, pickle.UnpicklingError) as error:  # unreadable, or unsafe
-            raise UnusableCheckpoint(f"{key}: {first_line(error)}") from None
+            raise self.refusal(f"{key}: {first_line(error)}") from None
         if mismatch is not None:
-            raise UnusableCheckpoint(f"{key}: {path} was written by another model: {mismatch}")
+            raise self.refusal(f"{key}: {path} was written by another model: {mismatch}")
 
 
 def _log_skipped(error: DamagedCheckpoint) -> None:

@@ -1,9 +1,10 @@
 """Building a runner's parts from their config sections, while the runner is built.
 
-The runner's constructor takes every part as an object or as its config section; `PartBuilder`
-turns the sections into the parts (data loaders, metrics, the strategy, the schedule and its
-schedulers, the hooks), checking each section by its table as ``from_cfg``'s config already
-is, and refusing before anything is written what the run cannot use.
+The runner's constructor takes every part as an object or as its config section
+(`runner_arguments` gives them from a validated config); `PartBuilder` turns the sections into
+the parts (data loaders, metrics, the strategy, the schedule and its schedulers, the hooks),
+checking each section by its table as ``from_cfg``'s config already is, and refusing before
+anything is written what the run cannot use.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from torch.utils.data import DataLoader
 
 from trainrun.runner.builder import (
@@ -21,10 +24,14 @@ from trainrun.runner.builder import (
     check_loader,
     check_set_name,
     named_sets,
+    optimizer_factory,
     unsized_epochs,
+    wrap_optimizers,
 )
+from trainrun.runner.config import check_compile, strategy_options
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.hooks import CheckpointHook, Hook, LoggerHook, PreemptionHook, ValidationHook
+from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint_section
 from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
 from trainrun.runner.scheduler import build_scheduler
 from trainrun.runner.schema import ConfigError
@@ -33,6 +40,39 @@ from trainrun.wrappers import Strategy, build_strategy
 
 if TYPE_CHECKING:
     from trainrun.runner.runner import Runner
+
+
+def runner_arguments(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The runner's constructor arguments from a config loaded and validated by
+    ``trainrun.runner.config``: its sections as plain values (the chosen strategy's options
+    only), and the config itself as ``cfg``."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) \
+        else dict(cfg)
+    data = plain.get("data") or {}
+    return dict(
+        model=plain["model"],
+        work_dir=plain["work_dir"],
+        train_dataloader=data.get("train"),
+        val_dataloader=data.get("val"),
+        test_dataloader=data.get("test"),
+        optim=plain.get("optim"),
+        scheduler=plain.get("scheduler"),
+        strategy={"type": plain["strategy"]["type"], **strategy_options(cfg)},
+        precision=plain["precision"],
+        compile=plain.get("compile", False),
+        schedule=plain["schedule"],
+        randomness=plain["randomness"],
+        logging=plain["logging"],
+        checkpoint=plain["checkpoint"],
+        preemption=plain["preemption"],
+        hooks=plain.get("hooks") or [],
+        resume=plain["resume"],
+        load_from=plain["load_from"],
+        launcher=plain["launcher"],
+        backend=plain["backend"],
+        dist_timeout=plain["dist_timeout"],
+        cfg=cfg,
+    )
 
 
 class PartBuilder:
@@ -111,11 +151,11 @@ class PartBuilder:
                           loader.batch_size, loader.drop_last)
 
     def val_metrics(self, metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]]
-                    | None, sections: Any, loaders: DataLoader | dict[str, DataLoader] | None
-                    ) -> list[BaseMetric] | dict[str, list[BaseMetric]]:
-        """The validation metrics; for several sets a dict of them by set: from ``metrics``
-        (a dict by set name, or one list every set is scored with in turn), else from each
-        set's section or data set."""
+                    | None, sections: Any) -> list[BaseMetric] | dict[str, list[BaseMetric]]:
+        """The validation metrics of the runner's validation loaders; for several sets a dict
+        of them by set: from ``metrics`` (a dict by set name, or one list every set is scored
+        with in turn), else from each set's section or data set."""
+        loaders = self.runner.val_dataloader
         if not isinstance(loaders, dict):
             return self.metrics(metrics, sections, loaders, "data.val")
         if isinstance(metrics, Mapping) and set(metrics) - set(loaders):
@@ -148,6 +188,29 @@ class PartBuilder:
         options = dict(strategy)
         return build_strategy(options.pop("type"), **options)
 
+    def wrapped_model(self, model: nn.Module, optim: Mapping[str, Any] | Callable[..., Any]
+                      | None, compile: bool | Mapping[str, Any], precision: str
+                      ) -> tuple[nn.Module, Any, Any]:
+        """The model as the runner's strategy wraps it (compiled where ``compile`` asks), the
+        optimiser the strategy builds over it from the ``optim`` section or function (None
+        without training data), and the optimiser wrapper ``train_step`` gets: the strategy's
+        own, else the runner's ``OptimWrapper``."""
+        runner, strategy = self.runner, self.runner.strategy
+        compile = check_compile("compile", compile)
+        strategy.use_compile(compile or None)
+        make_optimizer = optimizer_factory(optim, self.warn_once, self.log_groups) \
+            if isinstance(optim, Mapping) else optim
+        if runner.train_dataloader is None:
+            make_optimizer = None
+        optim_cfg = optim if isinstance(optim, Mapping) else {}
+        strategy.configure(getattr(runner.train_dataloader, "batch_size", None), optim_cfg,
+                           precision)
+        model, optimizer = strategy.setup(model, runner.device, make_optimizer)
+        optim_wrapper = strategy.optim_wrapper(model, optimizer)
+        if optimizer is not None and optim_wrapper is None:
+            optim_wrapper = wrap_optimizers(optimizer, optim_cfg, precision, runner.device.type)
+        return model, optimizer, optim_wrapper
+
     @staticmethod
     def schedule_length(schedule: Mapping[str, Any], loader: DataLoader | None
                         ) -> tuple[bool, int, int]:
@@ -176,7 +239,16 @@ class PartBuilder:
         except ValueError as error:  # its messages name the key: a config that cannot run
             raise ConfigError(str(error)) from None
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ checkpoints and hooks
+
+    def checkpoint_section(self, value: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The ``checkpoint`` section, checked; its ``save_best`` must name a validation set's
+        metric where there are several sets."""
+        checkpoint = self.section(check_checkpoint_section, "checkpoint", value)
+        loaders = self.runner.val_dataloader
+        check_best_metric("checkpoint.save_best", checkpoint["save_best"],
+                          list(loaders) if isinstance(loaders, dict) else None)
+        return checkpoint
 
     def extra_hooks(self, hooks: Sequence[Hook | Mapping[str, Any]]) -> list[Hook]:
         """The hooks given, those described by a config's ``hooks`` items built, each checked

@@ -11,8 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,10 @@ from torch.utils.data import DataLoader
 
 from trainrun.checkpoint.files import write_atomically
 from trainrun.checkpoint.manager import CheckpointManager, resolve_checkpoint
+from trainrun.checkpoint.optimizer_state import OptimizerMismatch
 from trainrun.checkpoint.read import read_train_state, read_weights
-from trainrun.checkpoint.resume import StartPoint, UnusableCheckpoint
-from trainrun.checkpoint.train_state import HookStates, StatePart, TrainState
+from trainrun.checkpoint.resume import StartPoint
+from trainrun.checkpoint.train_state import HookStates
 from trainrun.dist import (
     PeerFailure,
     at_checkpoint,
@@ -40,30 +40,27 @@ from trainrun.dist import (
     phase,
     watch_ranks,
 )
-from trainrun.dist.heartbeat import Heartbeat, brief
 from trainrun.dist.timeouts import get_timeout
-from trainrun.runner.builder import build_model, optimizer_factory, wrap_optimizers
+from trainrun.runner.builder import build_model
 from trainrun.runner.config import (
     DEFAULT_DIST_TIMEOUT,
     LAUNCH_KEYS,
     ConfigError,
-    check_compile,
     saved_config_changes,
 )
 from trainrun.runner.evaluation import BaseMetric
+from trainrun.runner.failures import failures_told, training_failures
 from trainrun.runner.hooks import Hook, IterTimerHook
-from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint_section
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
-from trainrun.runner.logging import MetricsFile, attach_log_file, setup_logging
+from trainrun.runner.logging import MetricsFile, attach_log_file, log_restart, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
-from trainrun.runner.parts import PartBuilder
-from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_signals
-from trainrun.runner.sampler import ResumableSampler
-from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
+from trainrun.runner.parts import PartBuilder, runner_arguments
+from trainrun.runner.preemption import PREEMPTION, StopRequest, stop_signals
+from trainrun.runner.seed import RANDOMNESS, set_random_seed
+from trainrun.runner.state_parts import train_state
 from trainrun.runner.stream import is_stream
 from trainrun.wrappers import Strategy
-from trainrun.wrappers.base import OptimizerMismatch
 
 
 class Runner:
@@ -222,7 +219,7 @@ class Runner:
             # made, after everything the config describes was built: a config that cannot be
             # built leaves no trace on disk
             self.logger = setup_logging(hold_for_file=self.rank == 0)
-            self._log_restart()
+            log_restart(self.logger)
             self.precision = precision
 
             model = build_model(model) if isinstance(model, Mapping) else model
@@ -232,44 +229,29 @@ class Runner:
             self.val_dataloader = build.val_loaders(val_dataloader)
             self.test_dataloader = build.loader(test_dataloader, "test")
             build.check_train_batches(self.train_dataloader, train_dataloader)
-            self.val_metrics = build.val_metrics(val_metrics, val_dataloader,
-                                                 self.val_dataloader)
+            self.val_metrics = build.val_metrics(val_metrics, val_dataloader)
             self.test_metrics = build.metrics(test_metrics, test_dataloader,
                                               self.test_dataloader, "data.test")
 
             self.strategy = build.strategy(strategy)
-            compile = check_compile("compile", compile)
-            self.strategy.use_compile(compile or None)
-            make_optimizer = optimizer_factory(optim, build.warn_once, build.log_groups) \
-                if isinstance(optim, Mapping) else optim
-            if self.train_dataloader is None:
-                make_optimizer = None
-            optim_cfg = optim if isinstance(optim, Mapping) else {}
-            self.strategy.configure(getattr(self.train_dataloader, "batch_size", None), optim_cfg,
-                                    precision)
-            self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
-            self.optim_wrapper = self.strategy.optim_wrapper(self.model, self.optimizer)
-            if self.optimizer is not None and self.optim_wrapper is None:
-                self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
-                                                     self.device.type)
+            self.model, self.optimizer, self.optim_wrapper = build.wrapped_model(
+                model, optim, compile, precision)
 
             schedule = check_schedule("schedule", schedule)
             self.by_epoch, self.max_epochs, self.max_iters = build.schedule_length(
                 schedule, self.train_dataloader)
             self.schedulers = build.schedulers(scheduler, self.optimizer, self.max_iters)
 
-            checkpoint = build.section(check_checkpoint_section, "checkpoint", checkpoint)
-            check_best_metric("checkpoint.save_best", checkpoint["save_best"],
-                              list(self.val_dataloader) if isinstance(self.val_dataloader, dict)
-                              else None)
+            checkpoint = build.checkpoint_section(checkpoint)
             self.checkpoints = CheckpointManager(self.work_dir / "checkpoints", self.strategy,
                                                  max_keep=checkpoint["max_keep"])
-            self._start = StartPoint(self.checkpoints.directory)
-            with _unusable_as_config_error():  # refused before anything is written:
-                self.start_from = self._start.choose(resume, load_from)  # a damaged checkpoint
-                self._start.check_fits(self.start_from, shapes)  # or another model's
-            extra_hooks = build.extra_hooks(hooks)  # a hook's bad option: the same
-            logging = build.section(check_logging, "logging", logging)  # and the logging's
+            # a damaged checkpoint, another model's, a hook's bad option or the logging's:
+            # refused before anything is written
+            self._start = StartPoint(self.checkpoints.directory, refusal=ConfigError)
+            self.start_from = self._start.choose(resume, load_from)
+            self._start.check_fits(self.start_from, shapes)
+            extra_hooks = build.extra_hooks(hooks)
+            logging = build.section(check_logging, "logging", logging)
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
             self._prepare_work_dir()
             self.metrics_file = MetricsFile(self.work_dir / "metrics.jsonl")
@@ -282,8 +264,7 @@ class Runner:
             self.training = False
             self.failed_at_step: int | None = None  # the step training was in when it raised
             loader = self.train_dataloader  # a stream may have no length to test
-            self.train_loop = TrainLoop(self, loader) \
-                if is_stream(loader) or loader else None
+            self.train_loop = TrainLoop(self, loader) if is_stream(loader) or loader else None
         except BaseException as error:
             self._leave_group(error)
             raise
@@ -305,35 +286,7 @@ class Runner:
         Raises:
             ConfigError: what the constructor raises for a config the run cannot use.
         """
-        from trainrun.runner.config import strategy_options
-
-        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) \
-            else dict(cfg)
-        data = plain.get("data") or {}
-        return cls(
-            model=plain["model"],
-            work_dir=plain["work_dir"],
-            train_dataloader=data.get("train"),
-            val_dataloader=data.get("val"),
-            test_dataloader=data.get("test"),
-            optim=plain.get("optim"),
-            scheduler=plain.get("scheduler"),
-            strategy={"type": plain["strategy"]["type"], **strategy_options(cfg)},
-            precision=plain["precision"],
-            compile=plain.get("compile", False),
-            schedule=plain["schedule"],
-            randomness=plain["randomness"],
-            logging=plain["logging"],
-            checkpoint=plain["checkpoint"],
-            preemption=plain["preemption"],
-            hooks=plain.get("hooks") or [],
-            resume=plain["resume"],
-            load_from=plain["load_from"],
-            launcher=plain["launcher"],
-            backend=plain["backend"],
-            dist_timeout=plain["dist_timeout"],
-            cfg=cfg,
-        )
+        return cls(**runner_arguments(cfg))
 
     def _prepare_work_dir(self) -> None:
         """Rank 0 creates the run directory and takes its lock (another live job holding it
@@ -372,18 +325,6 @@ class Runner:
         write_atomically(config_file, OmegaConf.to_yaml(self.cfg, resolve=True)
                          if isinstance(self.cfg, DictConfig)
                          else yaml.safe_dump(dict(self.cfg), sort_keys=False))
-
-    def _log_restart(self) -> None:
-        """Say when this process is a restart: torchrun's (``--max-restarts``, after a worker
-        died) or a requeued SLURM job's."""
-        torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        slurm = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        if torchrun:
-            self.logger.warning("torchrun restarted the workers: restart %d of %s "
-                                "(--max-restarts)", torchrun,
-                                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
-        if slurm:
-            self.logger.warning("SLURM started this job again: restart %d", slurm)
 
     # ------------------------------------------------------------------ running
 
@@ -465,22 +406,8 @@ class Runner:
         with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
                 stop_signals(self.stop_signals) as self.stop_request:
             try:
-                self.train_loop.run()
-            except Preempted as stop:
-                self._hooks_on_error(stop)
-                raise
-            except BaseException as error:
-                if isinstance(error, Exception):
-                    self.failed_at_step = self.iter + 1
-                    try:
-                        self._tell_peers(error, heartbeat)
-                    finally:
-                        self._hooks_on_error(error)
-                    self.logger.exception("rank %d: training failed at step %d (epoch %d)",
-                                          self.rank, self.iter + 1, self.epoch + 1)
-                else:  # Ctrl-C and the like
-                    self._hooks_on_error(error)
-                raise
+                with training_failures(self, heartbeat):
+                    self.train_loop.run()
             finally:
                 self.training = False
                 self.stop_request = None
@@ -489,34 +416,6 @@ class Runner:
                              self.checkpoints.last_saved.name)
         self.call_hook("after_run")
         return self.model
-
-    def _hooks_on_error(self, error: BaseException) -> None:
-        """Every hook's ``on_error``; one that fails itself is logged, not raised: ``error``
-        is what the user needs to see."""
-        for hook in self.hooks:
-            try:
-                if hasattr(hook, "on_error"):
-                    hook.on_error(self, error)
-            except Exception:
-                self.logger.exception("%s.on_error failed", type(hook).__name__)
-
-    @staticmethod
-    def _tell_peers(error: Exception, heartbeat: Heartbeat | None) -> None:
-        """For a failed collective, raise `PeerFailure` saying why in the heartbeat's words
-        (another rank failed or went silent); for a failure of this rank's own, tell the other
-        ranks and return (the caller re-raises it)."""
-        if heartbeat is None:
-            return
-        if not is_comm_error(error):
-            heartbeat.post_failure(error)
-            return
-        try:
-            why = PeerFailure(heartbeat.explain())
-        except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
-            why = PeerFailure(heartbeat.lost_contact(
-                f"lost contact with the other ranks ({brief(error)}) and with the job's store "
-                f"at {heartbeat.address} ({brief(store_error)})"), said=False)
-        raise why from error
 
     def val(self) -> dict[str, float]:
         """Validate on the val data; every rank gets the metrics (with several validation
@@ -558,12 +457,8 @@ class Runner:
         loop = EvalLoop(self, self.test_dataloader, self.test_metrics, "test")
         if self.training:
             return loop.run()
-        with watch_ranks(get_timeout().total_seconds()) as heartbeat:
-            try:
-                return loop.run()
-            except Exception as error:
-                self._tell_peers(error, heartbeat)
-                raise
+        with watch_ranks(get_timeout().total_seconds()) as heartbeat, failures_told(heartbeat):
+            return loop.run()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -574,77 +469,6 @@ class Runner:
             ``epoch_<epoch>`` when the schedule counts epochs, else ``iter_<iter>``.
         """
         return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
-
-    def _train_state(self) -> TrainState:
-        """The run's train state, from its stateful parts in the order a resume puts them
-        back: the RNG states last, so that nothing put back before them draws from them."""
-        loader = self.train_dataloader
-        parts = [StatePart("meta", self._position, self._load_position),
-                 StatePart("optim_wrapper", self.optim_wrapper.state_dict,
-                           self._load_optim_wrapper, every_rank=True),  # each rank's gradients
-                 StatePart("schedulers", lambda: [s.state_dict() for s in self.schedulers],
-                           self._load_schedulers),
-                 StatePart("sampler", self._sampler_state, self._load_sampler)]
-        if is_stream(loader):  # its place: every rank's (each reads its own share)
-            parts.append(StatePart("stream", loader.state_dict, self._resume_stream,
-                                   every_rank=True))
-        parts.append(HookStates(self.hooks, self.rank, self.world_size).part())
-        parts.append(StatePart("rng", rng_state, self._load_rng_states, every_rank=True))
-        return TrainState(parts)
-
-    def _position(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "iter": self.iter, "seed": self.seed,
-                "world_size": self.world_size, "strategy": self.strategy.name}
-
-    def _load_position(self, meta: Mapping[str, Any]) -> None:
-        self.epoch, self.iter, self.seed = meta["epoch"], meta["iter"], meta["seed"]
-
-    def _load_optim_wrapper(self, states: Any) -> None:
-        """This rank's optimiser-wrapper state (rank 0's where another number of ranks saved
-        them; an older checkpoint holds one state for every rank)."""
-        if isinstance(states, Mapping):
-            states = [states]
-        self.optim_wrapper.load_state_dict(states[self.rank] if len(states) == self.world_size
-                                           else states[0])
-
-    def _load_schedulers(self, states: list[Any]) -> None:
-        for scheduler, saved in zip(self.schedulers, states, strict=True):
-            scheduler.load_state_dict(saved)
-
-    def _sampler_state(self) -> dict[str, Any] | None:
-        sampler = self.train_dataloader.sampler
-        return sampler.state_dict() if isinstance(sampler, ResumableSampler) else None
-
-    def _load_sampler(self, state: dict[str, Any] | None) -> None:
-        sampler = self.train_dataloader.sampler
-        if isinstance(sampler, ResumableSampler) and state:
-            sampler.load_state_dict(state)
-            # the epoch being trained goes on from the cursor, even one at the epoch's end (a
-            # checkpoint after its last step): that epoch is then finished, not started again
-            self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
-
-    def _resume_stream(self, streams: list[Any] | None) -> None:
-        """Put a stream back where this rank's share of it stopped. Saved by another number of
-        ranks, the shares differ: the stream starts again, said in a warning."""
-        loader = self.train_dataloader
-        if not is_stream(loader) or streams is None:
-            return
-        if len(streams) == self.world_size:
-            loader.load_state_dict(streams[self.rank])
-        elif self.rank == 0:
-            self.logger.warning("data.train: the checkpoint was written by %d ranks, this job "
-                                "has %d: each rank's share of the stream differs, so the "
-                                "stream starts again from its beginning", len(streams),
-                                self.world_size)
-
-    def _load_rng_states(self, rngs: list[Any]) -> None:
-        """This rank's RNG states, where the world size is the one that saved them."""
-        if len(rngs) == self.world_size:
-            set_rng_state(rngs[self.rank])
-        else:
-            self.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
-                                "random streams restart, so losses will not match exactly",
-                                len(rngs), self.world_size)
 
     def saved_hook_state(self, hook: Hook, path: str | os.PathLike) -> Any:
         """What the checkpoint at ``path`` holds of ``hook``'s state (None: nothing), for a
@@ -682,17 +506,13 @@ class Runner:
         self.call_hook("before_checkpoint_save")
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
-                                         self.optimizer, self._train_state().state_dict(),
+                                         self.optimizer, train_state(self).state_dict(),
                                          update_last, background, step=self.iter)
 
     def _resume_or_load(self) -> None:
-        if self.start_from is None:
-            return
-        how, path = self.start_from
-        if how == "resume":
-            self.resume(path)
-        else:
-            self.load_weights(path)
+        if self.start_from is not None:
+            how, path = self.start_from
+            (self.resume if how == "resume" else self.load_weights)(path)
 
     def resume(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint at ``path`` stopped (verified first).
@@ -708,13 +528,12 @@ class Runner:
             ConfigError: the checkpoint is damaged, or its optimiser state does not fit this
                 run's optimiser.
         """
-        with _unusable_as_config_error():
-            path = self._start.verified("resume", Path(path))
+        path = self._start.verified("resume", Path(path))
         try:
             state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
         except OptimizerMismatch as error:
             raise ConfigError(f"resume: {path}: {error}") from None
-        self._train_state().load_state_dict(state)
+        train_state(self).load_state_dict(state)
         at_checkpoint(path.name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
 
@@ -730,8 +549,7 @@ class Runner:
             FileNotFoundError: ``path`` does not exist or names no checkpoint.
             ConfigError: the checkpoint is damaged.
         """
-        with _unusable_as_config_error():
-            path = self._start.verified("load_from", resolve_checkpoint(path))
+        path = self._start.verified("load_from", resolve_checkpoint(path))
         self.strategy.load_model_state_dict(self.model, read_weights(path))
         self.logger.info("loaded weights from %s", path)
 
@@ -780,13 +598,3 @@ class Runner:
             leave_dist()
         else:  # free DDP's reducer now, before whoever joined the group leaves it
             gc.collect()
-
-
-@contextmanager
-def _unusable_as_config_error() -> Iterator[None]:
-    """A checkpoint to start from that the run cannot use, raised in the block, as the
-    ConfigError that a run which cannot start raises."""
-    try:
-        yield
-    except UnusableCheckpoint as error:
-        raise ConfigError(str(error)) from None

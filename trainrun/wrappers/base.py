@@ -12,64 +12,25 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
-from trainrun.checkpoint.files import BackgroundWriter, files_written_by, save_state_file
-from trainrun.checkpoint.format import load_state_file
-from trainrun.dist import barrier, is_main_process
+from trainrun.checkpoint.optimizer_state import Optimizers
 from trainrun.messages import first_line
-from trainrun.wrappers.memory import ParamSpec, StateBytes, optimizer_tensors, replicated
+from trainrun.wrappers.checkpointing import Checkpointing
+from trainrun.wrappers.sharding import Sharding
 
 log = logging.getLogger("trainrun")
 
-# What `setup` returns as the optimiser: one, or one per named submodule.
-Optimizers = Optimizer | dict[str, Optimizer]
+# What `setup` returns as the optimiser (``Optimizers``): one, or one per named submodule.
 MakeOptimizer = Callable[[nn.Module], Optimizers]
 
 
-def optimizer_state(optimizer: Optimizers | None) -> Any:
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, Mapping):
-        return {name: opt.state_dict() for name, opt in optimizer.items()}
-    return optimizer.state_dict()
-
-
-class OptimizerMismatch(ValueError):
-    """A checkpoint's optimiser state that this run's optimiser cannot take."""
-
-
-OPTIMIZER_MISMATCH_HINT = ("optim.paramwise or optim.type changed since it was written; its "
-                           "weights alone can start a run (load_from)")
-
-
-def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
-    """Load ``state`` into ``optimizer``; one that does not fit (other parameter groups, or
-    another optimiser) is an `OptimizerMismatch` saying so."""
-    if optimizer is None or state is None:
-        return
-    try:
-        if isinstance(optimizer, Mapping):
-            for name, opt in optimizer.items():
-                opt.load_state_dict(state[name])
-        else:
-            optimizer.load_state_dict(state)
-    except (ValueError, KeyError) as error:
-        raise OptimizerMismatch(f"its optimiser state does not fit this run's optimiser "
-                                f"({first_line(error)}): {OPTIMIZER_MISMATCH_HINT}") from None
-
-
-class Strategy(ABC):
+class Strategy(Checkpointing, Sharding, ABC):
     """How a model is wrapped, stepped and checkpointed for one kind of parallelism.
 
     A new strategy implements ``name`` and ``setup`` (which returns a model meeting
@@ -85,7 +46,9 @@ class Strategy(ABC):
     shards or offloads overrides ``memory_plan`` (what ``--dry-run`` plans per rank) and, where
     it holds state outside the module and optimiser, ``state_tensors``; one that keeps only a
     part of each parameter on a rank overrides ``param_shards``, ``shards_written``,
-    ``full_params`` and ``shard_params``.
+    ``full_params`` and ``shard_params``. The defaults of the checkpoint methods are
+    ``Checkpointing``'s (trainrun/wrappers/checkpointing.py), those of the sharding and memory
+    methods ``Sharding``'s (trainrun/wrappers/sharding.py): both are bases of ``Strategy``.
 
     The runner calls, in order: ``use_compile`` and ``configure``, then ``setup`` and
     ``optim_wrapper``; ``load_checkpoint`` or ``load_model_state_dict`` to start from a
@@ -126,8 +89,6 @@ class Strategy(ABC):
     OPTIONS: ClassVar[dict[str, Any]] = {}
     ACCEPTS: ClassVar[dict[str, str]] = {}
     WRAPPERS: ClassVar[tuple[type | str, ...]] = ()
-    WRITER_RANK: ClassVar[re.Pattern[str] | None] = None
-    FORMAT: ClassVar[str] = "torch_file"
     COMPILES: ClassVar[str | None] = None
     compile_options: dict[str, Any] | None = None
 
@@ -139,7 +100,6 @@ class Strategy(ABC):
                 f"its options are: {', '.join(sorted(self.OPTIONS)) or 'none'}"
             )
         self.options = {**self.OPTIONS, **options}
-        self._background = BackgroundWriter()  # checkpoint files written in the background
 
     def configure(self, batch_size: int | None, optim: Mapping[str, Any],  # noqa: B027
                   precision: str) -> None:
@@ -263,192 +223,6 @@ class Strategy(ABC):
         """
         self.unwrap(model).load_state_dict(state)
 
-    # ------------------------------------------------ this rank's share of the parameters
-    # What a hook that keeps a copy of the weights beside the model (EMA) works on, so that
-    # its copy is sharded as the model is. Strategies whose every rank holds the whole model
-    # inherit these four; a sharded one overrides all of them.
-
-    def param_shards(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's part of each parameter, by the plain model's names: tensors that share
-        the parameters' storage, so that writing into them (then ``shards_written``) changes
-        what the next forward computes with. This default: the whole parameters.
-
-        Args:
-            model: the model ``setup`` returned.
-
-        Returns:
-            This rank's part of every parameter, by name (detached).
-        """
-        return {name: param.detach() for name, param in self.unwrap(model).named_parameters()}
-
-    def shards_written(self, model: nn.Module) -> None:  # noqa: B027 - optional
-        """``param_shards``' tensors were written into: refresh any gathered copy of them the
-        strategy keeps (every rank calls this).
-
-        Args:
-            model: the model ``setup`` returned.
-        """
-
-    def full_params(self, model: nn.Module,
-                    shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors from every rank's ``shards`` (each cut as ``param_shards`` cuts the
-        parameter of its name); a collective for a sharded strategy. This default: as given.
-
-        Args:
-            model: the model ``setup`` returned.
-            shards: this rank's part of each tensor, by parameter name.
-
-        Returns:
-            The whole tensors, by name.
-        """
-        return dict(shards)
-
-    def shard_params(self, model: nn.Module,
-                     full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of each whole tensor in ``full``, cut as ``param_shards`` cuts the
-        parameter of its name (every rank calls this). This default: as given.
-
-        Args:
-            model: the model ``setup`` returned.
-            full: whole tensors, by parameter name.
-
-        Returns:
-            This rank's part of each, by name.
-        """
-        return dict(full)
-
-    # ------------------------------------------------ memory: planned and held
-    # What `--dry-run` plans before anything starts, and what a running job holds, by kind
-    # (trainrun/wrappers/memory.py). This default is the replicated case: every rank holds
-    # the whole model, its gradients and its optimiser state.
-
-    @classmethod
-    def memory_plan(cls, specs: Sequence[ParamSpec], world_size: int, cfg: Mapping[str, Any],
-                    model: nn.Module | None = None) -> StateBytes:
-        """The most bytes of parameters, gradients and optimiser state any of ``world_size``
-        ranks will hold, from the parameters' ``specs`` and the checked, plain run config
-        (``model``: the model built on the meta device, for strategies that need its
-        structure). This default: the whole of each on every rank, in the model's dtype.
-
-        Args:
-            specs: each parameter's shape, dtype and whether it is trained.
-            world_size: the number of ranks planned for.
-            cfg: the checked, plain run config.
-            model: the model built on the meta device, or None.
-
-        Returns:
-            The planned bytes by kind, with notes on what the total leaves out.
-        """
-        plan = replicated(specs)
-        if cfg.get("precision", "fp32") != "fp32":
-            plan.notes.append(f"precision {cfg['precision']}: autocast computes in it; the "
-                              f"state stays in the model's dtype")
-        return plan
-
-    def state_tensors(self, model: nn.Module, optimizer: Optimizers | None
-                      ) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds now, by kind ('params', 'grads', 'optim'): what
-        ``memory.measure`` counts to check ``memory_plan`` against a running job. This default:
-        the module's parameters, their gradients and the optimiser's state.
-
-        Args:
-            model: the model ``setup`` returned.
-            optimizer: the optimiser ``setup`` returned, or None.
-
-        Returns:
-            The tensors by kind (entries may be None, e.g. a gradient not yet made).
-        """
-        params = list(self.unwrap(model).parameters())
-        return {"params": params, "grads": [p.grad for p in params],
-                "optim": optimizer_tensors(optimizer)}
-
-    def measure_inside_step(self, take: Callable[[], None]) -> None:  # noqa: B027 - optional
-        """Have ``take`` called wherever inside a training step this strategy's state peaks
-        apart from around the optimiser's step (which ``memory.PeakWatch`` measures itself).
-        This default: nowhere else.
-
-        Args:
-            take: records the memory held at the moment it is called.
-        """
-
-    def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
-                        extra: dict[str, Any]) -> None:
-        """Write model, optimiser and ``extra`` to ``path``; called on every rank.
-
-        This default writes one file from rank 0, which suits strategies whose every rank
-        holds the whole model. Sharded strategies write a directory, every rank its part.
-
-        Args:
-            path: where to write (the checkpoint manager's temporary name; it publishes the
-                checkpoint once every rank's part is on disk).
-            model: the model ``setup`` returned.
-            optimizer: the optimiser ``setup`` returned, or None.
-            extra: the runner's own state (position, RNG states, schedulers, hooks' states).
-        """
-        if is_main_process():
-            save_state_file(path, self._whole_state(model, optimizer, extra))
-        barrier()
-
-    def own_files(self, path: str | os.PathLike, rank: int) -> list[Path]:
-        """The files of the checkpoint at ``path`` (a file, or a directory) that ``rank`` wrote:
-        the ones it can fsync and hash from its own page cache (another rank's may be on
-        another node).
-
-        Args:
-            path: the checkpoint.
-            rank: the writer's rank.
-
-        Returns:
-            The files ``WRITER_RANK`` gives to ``rank`` (all of them to rank 0 where it is
-            None).
-        """
-        return files_written_by(Path(path), rank, self.WRITER_RANK)
-
-    def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Optimizers | None,
-                              extra: dict[str, Any]) -> Future:
-        """``save_checkpoint`` that returns once the state is copied in memory: the write goes
-        on in a background thread, and the future ends when this rank's part is on disk.
-        Called on every rank; training may change the model as soon as this returns.
-
-        Args:
-            path: where to write, as for ``save_checkpoint``.
-            model: the model ``setup`` returned.
-            optimizer: the optimiser ``setup`` returned, or None.
-            extra: the runner's own state.
-
-        Returns:
-            A future that ends (or raises) when this rank's part is written.
-        """
-        return self._background.save(path, self._whole_state(model, optimizer, extra)
-                                     if is_main_process() else None)
-
-    def _whole_state(self, model: nn.Module, optimizer: Optimizers | None,
-                     extra: dict[str, Any]) -> dict[str, Any]:
-        """What a one-file checkpoint holds: model, optimiser and the runner's ``extra``."""
-        return {"model": self.model_state_dict(model), "optimizer": optimizer_state(optimizer),
-                **extra}
-
-    def load_checkpoint(self, path: str, model: nn.Module,
-                        optimizer: Optimizers | None) -> dict[str, Any]:
-        """Restore model and optimiser from ``path`` on every rank; returns the extra state.
-
-        Args:
-            path: the checkpoint (in this strategy's format).
-            model: the model ``setup`` returned.
-            optimizer: the optimiser ``setup`` returned, or None.
-
-        Returns:
-            The ``extra`` state ``save_checkpoint`` was given.
-
-        Raises:
-            OptimizerMismatch: the saved optimiser state does not fit this run's optimiser.
-            ValueError: the file is not a readable checkpoint, or is truncated.
-        """
-        state = load_state_file(path)
-        self.load_model_state_dict(model, state.pop("model"))
-        load_optimizer_state(optimizer, state.pop("optimizer", None))
-        return state
-
     @classmethod
     def wraps(cls, model: Any) -> bool:
         """Whether ``model`` is of one of this strategy's ``WRAPPERS``; what
@@ -470,7 +244,7 @@ class Strategy(ABC):
         Called by the runner's ``close``, on every rank; this default waits for background
         checkpoint writes to end.
         """
-        self._background.close()
+        self._end_background_writes()
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -26,19 +26,13 @@ from torch import Tensor, nn
 
 from trainrun.checkpoint.dcp import check_metadata, quiet_single_process
 from trainrun.checkpoint.files import save_state_file
+from trainrun.checkpoint.optimizer_state import OPTIMIZER_MISMATCH_HINT, OptimizerMismatch
 from trainrun.checkpoint.train_state import TRAIN_STATE
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
 from trainrun.dist.device import DTYPE_ALIASES, DTYPES
 from trainrun.dist.timeouts import get_timeout
 from trainrun.registry import FORMATS
-from trainrun.wrappers.base import (
-    OPTIMIZER_MISMATCH_HINT,
-    MakeOptimizer,
-    OptimizerMismatch,
-    Optimizers,
-    Strategy,
-    compile_module,
-)
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
 from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
 
