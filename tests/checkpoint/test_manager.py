@@ -15,8 +15,14 @@ import torch
 
 import trainrun.dist as dist
 from tests.records import loss_list
-from tests.runner.test_manifest import flip_byte
-from tests.runner.toy import CrashAfter, Killed, ToyModel, rehash, write_crafted_checkpoint
+from tests.runner.toy import (
+    CrashAfter,
+    Killed,
+    ToyModel,
+    flip_byte,
+    rehash,
+    write_crafted_checkpoint,
+)
 from trainrun.checkpoint import manager as manager_module
 from trainrun.checkpoint import manifest
 from trainrun.checkpoint.format import load_state_file

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.toy import ToyModel
+from tests.runner.toy import ToyModel, flip_byte
 from trainrun.checkpoint import manifest
 from trainrun.checkpoint.files import save_state_file, sha256_of, written_sha256
 from trainrun.checkpoint.manager import CheckpointManager
@@ -82,13 +82,6 @@ def _copy(checkpoint: Path, to: Path) -> Path:
         shutil.copy(checkpoint, to)
         shutil.copy(sidecar(checkpoint), to)
     return to / checkpoint.name
-
-
-def flip_byte(file: Path) -> None:
-    """Invert one byte in the middle of ``file``."""
-    data = bytearray(file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    file.write_bytes(bytes(data))
 
 
 def _listed(checkpoint: Path, name: str) -> Path:

@@ -161,6 +161,13 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def flip_byte(file: Path) -> None:
+    """Invert one byte in the middle of ``file``."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 def rehash(checkpoint: Path) -> None:
     """Rewrite the manifest of a checkpoint (a file or a directory) to match its files as they
     are now: what someone who crafts a checkpoint can do too."""

@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.runner.test_manifest import flip_byte
-from tests.runner.toy import ToyModel
+from tests.runner.toy import ToyModel, flip_byte
 from trainrun.cli.export import main, plain_tensors
 from trainrun.runner.runner import Runner
 

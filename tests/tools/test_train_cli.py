@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.records import train_records
-from tests.runner.test_manifest import flip_byte
+from tests.runner.toy import flip_byte
 from trainrun.cli.processes import descendants
 from trainrun.dist.launch import free_port
 

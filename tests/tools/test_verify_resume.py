@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runner.test_manifest import flip_byte
-from tests.runner.toy import rehash
+from tests.runner.toy import flip_byte, rehash
 from tests.tools.test_train_cli import CONFIG, REPO, env, run
 from trainrun.cli import verify_resume as vr
 from trainrun.cli.processes import alive
