@@ -15,18 +15,15 @@ import re
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from trainrun.checkpoint.files import BackgroundWriter, files_written_by, save_state_file
 from trainrun.checkpoint.format import load_state_file
-from trainrun.checkpoint.optimizer_state import load_optimizer_state, optimizer_state
+from trainrun.checkpoint.optimizer_state import Optimizers, load_optimizer_state, optimizer_state
 from trainrun.dist import barrier, is_main_process
-
-if TYPE_CHECKING:
-    from trainrun.wrappers.base import Optimizers
 
 
 class Checkpointing:

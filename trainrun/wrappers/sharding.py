@@ -10,15 +10,13 @@ where it holds state outside the module and optimiser, ``state_tensors``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from trainrun.checkpoint.optimizer_state import Optimizers
 from trainrun.wrappers.memory import ParamSpec, StateBytes, optimizer_tensors, replicated
-
-if TYPE_CHECKING:
-    from trainrun.wrappers.base import Optimizers
 
 
 class Sharding:
