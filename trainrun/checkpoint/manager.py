@@ -1,4 +1,5 @@
-"""Naming, publishing and pruning checkpoints in ``work_dir/checkpoints``.
+"""Naming, publishing and pruning checkpoints in ``work_dir/checkpoints``, and finding one by
+name (the one ``last`` names, a run directory's newest).
 
 A checkpoint is written by the strategy under a temporary name (one file, or a directory of
 shards), hashed by the ranks that wrote it, given its manifest (`trainrun.checkpoint.manifest`),

@@ -20,8 +20,11 @@ if TYPE_CHECKING:
 
 
 def train_state(runner: Runner) -> TrainState:
-    """The train state of ``runner``, from its stateful parts in the order a resume puts them
-    back: the RNG states last, so that nothing put back before them draws from them.
+    """The train state of ``runner``: everything but model and optimiser that an exact resume
+    needs, from its stateful parts in the order a resume puts them back (the RNG states last,
+    so that nothing put back before them draws from them). Rank 0's copy holds every rank's
+    RNG states and optimiser-wrapper states (the latter carry each rank's own accumulated
+    gradients between steps), which its ``state_dict`` gathers: every rank must call that.
 
     Args:
         runner: the runner, built.
@@ -32,8 +35,8 @@ def train_state(runner: Runner) -> TrainState:
     parts = _RunnerParts(runner)
     loader = runner.train_dataloader
     listed = [StatePart("meta", parts.position, parts.load_position),
-              StatePart("optim_wrapper", runner.optim_wrapper.state_dict,  # each rank's
-                        parts.load_optim_wrapper, every_rank=True),  # accumulated gradients
+              StatePart("optim_wrapper", runner.optim_wrapper.state_dict,
+                        parts.load_optim_wrapper, every_rank=True),
               StatePart("schedulers", parts.schedulers, parts.load_schedulers),
               StatePart("sampler", parts.sampler, parts.load_sampler)]
     if is_stream(loader):  # its place: every rank's (each reads its own share)

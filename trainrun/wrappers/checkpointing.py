@@ -29,15 +29,9 @@ from trainrun.dist import barrier, is_main_process
 class Checkpointing:
     """Writing a strategy's checkpoints (every rank calls these, through the checkpoint
     manager) and restoring model and optimiser from one to resume. A base of ``Strategy``,
-    whose ``model_state_dict`` and ``load_model_state_dict`` they use.
-
-    Attributes:
-        WRITER_RANK: in a checkpoint of this strategy, a pattern matching the names of the
-            files each rank writes itself (group 1 is the writer's rank); files it does not
-            match (all, if None) are rank 0's.
-        FORMAT: the name (in ``trainrun.registry.FORMATS``) of the checkpoint format this
-            strategy writes; ``'torch_file'``: one torch file.
-    """
+    whose ``model_state_dict`` and ``load_model_state_dict`` they use; ``WRITER_RANK`` (which
+    files of a checkpoint each rank writes) and ``FORMAT`` (the format that reads it) are
+    documented with ``Strategy``."""
 
     WRITER_RANK: ClassVar[re.Pattern[str] | None] = None
     FORMAT: ClassVar[str] = "torch_file"
