@@ -46,10 +46,11 @@ from typing import Any
 import torch
 from gloo_ranks import Layers, run_on_ranks
 
+from trainrun.checkpoint import files
+from trainrun.checkpoint.manager import CheckpointManager
+from trainrun.checkpoint.manifest import verify_checkpoint
 from trainrun.dist import barrier, get_rank, is_main_process
-from trainrun.runner.checkpoint import CheckpointManager
-from trainrun.runner.manifest import verify_checkpoint
-from trainrun.wrappers import STRATEGIES, base, deepspeed
+from trainrun.wrappers import STRATEGIES, deepspeed
 
 WIDTH = 2048
 STRATEGY_OPTIONS = {
@@ -63,7 +64,7 @@ class Unhashed(CheckpointManager):
     """The same saves with the hashing left out: the manifest lists no file (use it inside
     `plain_fsyncs`)."""
 
-    def _own_hashes(self, tmp: Path, final: Path) -> dict[str, str]:
+    def _hash_own_files(self, tmp: Path, final: Path) -> dict[str, str]:
         return {}
 
 
@@ -75,12 +76,12 @@ def _fsync(f: Any, path: Any) -> None:
 @contextlib.contextmanager
 def plain_fsyncs() -> Any:
     """Files made durable as before checkpoints were hashed: fsync without hashing."""
-    hashing = base.fsync_and_hash
-    base.fsync_and_hash = deepspeed.fsync_and_hash = _fsync
+    hashing = files.fsync_and_hash
+    files.fsync_and_hash = deepspeed.fsync_and_hash = _fsync
     try:
         yield
     finally:
-        base.fsync_and_hash = deepspeed.fsync_and_hash = hashing
+        files.fsync_and_hash = deepspeed.fsync_and_hash = hashing
 
 
 def _layers(gb: float) -> int:

@@ -15,9 +15,9 @@ import math
 import sys
 from pathlib import Path
 
+from trainrun.checkpoint.files import replacing
 from trainrun.cli.metrics import Series, read_run
 from trainrun.exits import EXIT_OK, EXIT_USAGE
-from trainrun.runner.files import replacing
 
 
 def panels(runs: dict[str, tuple[Series, Series]], keys: list[str] | None) -> list[str]:

@@ -601,7 +601,7 @@ def test_seed_may_be_null(tmp_path):
 
 
 def test_a_runner_built_from_dicts_gets_the_schemas_defaults_and_checks(tmp_path):
-    from trainrun.runner.checkpoint import MAX_KEEP
+    from trainrun.checkpoint.manager import MAX_KEEP
     from trainrun.runner.loops import MAX_EPOCHS
     from trainrun.runner.runner import Runner
 

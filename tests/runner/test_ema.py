@@ -13,7 +13,7 @@ import torch
 import trainrun.dist as dist
 from tests.records import records as _records
 from tests.runner.toy import CrashAfter, Killed, ToyModel
-from trainrun.runner.checkpoint import read_train_state
+from trainrun.checkpoint.read import read_train_state
 from trainrun.runner.hooks import EMAHook, Hook
 from trainrun.runner.runner import Runner
 

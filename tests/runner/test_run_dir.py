@@ -11,11 +11,11 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from trainrun.checkpoint.files import TMP_PREFIX
+from trainrun.checkpoint.manager import CHECKPOINTS_DIR, LAST
 from trainrun.cli.sweep.status import LOG as SWEEP_LOG
 from trainrun.cli.sweep.status import STATUS as SWEEP_STATUS
 from trainrun.runner import run_dir as run_dir_module
-from trainrun.runner.checkpoint import CHECKPOINTS_DIR, LAST
-from trainrun.runner.files import TMP_PREFIX
 from trainrun.runner.lock import LOCK_NAME
 from trainrun.runner.run_dir import (
     MetricsFile,

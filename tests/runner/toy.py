@@ -188,7 +188,7 @@ def flip_byte(file: Path) -> None:
 def rehash(checkpoint: Path) -> None:
     """Rewrite the manifest of a checkpoint (a file or a directory) to match its files as they
     are now: what someone who crafts a checkpoint can do too."""
-    from trainrun.runner.manifest import MANIFEST, hash_files, write_manifest
+    from trainrun.checkpoint.manifest import MANIFEST, hash_files, write_manifest
 
     files = [checkpoint] if checkpoint.is_file() else [
         p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST]

@@ -1,7 +1,7 @@
-"""A strategy written entirely here, plus one registry line, gets what the shipped ones get:
-training from a config through the Runner, exact resume after a crash, export, the dry run's
-plan and option checking. It is DDP whose checkpoint is a directory with one file per rank
-(docs/own-strategy.md walks through it)."""
+"""A strategy written entirely here, plus one registry line (and one for its checkpoint
+format), gets what the shipped ones get: training from a config through the Runner, exact
+resume after a crash, export, the dry run's plan and option checking. It is DDP whose
+checkpoint is a directory with one file per rank (docs/own-strategy.md walks through it)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from safetensors.torch import load_file
 from tests.records import losses
 from tests.runner.toy import straight_crash_resume
 from tests.runs import shared_run
+from trainrun.checkpoint.files import save_state_file
+from trainrun.checkpoint.torch_file import TorchFile
 from trainrun.cli import export as export_tool
 from trainrun.cli import train as train_tool
 from trainrun.dist import barrier, get_rank
+from trainrun.registry import FORMATS
 from trainrun.runner import Runner
 from trainrun.runner.config import load_config
 from trainrun.wrappers import STRATEGIES, DDPStrategy
-from trainrun.wrappers.base import load_mapped, save_state_file
 
 
 class PerRankDDP(DDPStrategy):
@@ -29,6 +31,7 @@ class PerRankDDP(DDPStrategy):
 
     name = "per_rank_ddp"
     WRITER_RANK = re.compile(r"^rank_(\d+)\.pt$")  # who writes (and hashes) which file
+    FORMAT = "per_rank_files"  # its checkpoints' format (PerRankFiles, below), by name
 
     def save_checkpoint(self, path: str, model: Any, optimizer: Any,
                         extra: dict[str, Any]) -> None:
@@ -37,14 +40,20 @@ class PerRankDDP(DDPStrategy):
                         self._whole_state(model, optimizer, extra))
         barrier()
 
-    # the format: whether a path is one of these checkpoints, and how to read one
+
+class PerRankFiles(TorchFile):
+    """The format: whether a path is one of these checkpoints, and how to read one (rank 0's
+    file holds the whole state, as every rank's does)."""
+
+    name = "per_rank_files"
+
     @classmethod
-    def owns_checkpoint(cls, path: Path) -> bool:
+    def owns(cls, path: Path) -> bool:
         return path.is_dir() and (path / "rank_0.pt").is_file()
 
     @classmethod
     def look_inside(cls, path: Path) -> None:
-        load_mapped(path / "rank_0.pt")
+        super().look_inside(path / "rank_0.pt")
 
     @classmethod
     def read_state(cls, path: Path) -> dict[str, Any]:
@@ -70,7 +79,8 @@ checkpoint: {interval: 4}
 
 def _train_crash_resume(config: str, root: str) -> list[str]:
     """On every rank: a straight run, and one that crashes after step 6 then resumes."""
-    STRATEGIES["per_rank_ddp"] = PerRankDDP  # the registry line, in this worker process
+    STRATEGIES["per_rank_ddp"] = PerRankDDP  # the registry lines, in this worker process
+    FORMATS["per_rank_files"] = PerRankFiles
     try:
         def runner(name: str, **more: Any) -> Runner:
             return Runner.from_cfg(load_config(config, [f"work_dir={root}/{name}"],
@@ -79,7 +89,7 @@ def _train_crash_resume(config: str, root: str) -> list[str]:
         straight_crash_resume(runner)
         return sorted(p.name for p in (Path(root) / "crashed/checkpoints/iter_4.pth").iterdir())
     finally:
-        del STRATEGIES["per_rank_ddp"]
+        del STRATEGIES["per_rank_ddp"], FORMATS["per_rank_files"]
 
 
 @shared_run
@@ -110,13 +120,14 @@ def test_it_exports_and_shows_in_the_plan_and_checks_its_options(custom_strategy
     out = tmp_path / "model.safetensors"
     assert export_tool.main([str(checkpoint), str(out)]) == 2  # unregistered: not a checkpoint
     assert "not a checkpoint" in capsys.readouterr().err
-    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the registry line, here
+    monkeypatch.setitem(FORMATS, "per_rank_files", PerRankFiles)  # the format's line, here
     assert export_tool.main([str(checkpoint), str(out)]) == 0
     saved = torch.load(checkpoint / "rank_0.pt", weights_only=True)["model"]
     exported = load_file(out)
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
 
+    monkeypatch.setitem(STRATEGIES, "per_rank_ddp", PerRankDDP)  # the strategy's, here
     assert train_tool.main([str(config), "--dry-run", "--work-dir", str(tmp_path / "x")]) == 0
     assert re.search(r"strategy\s+per_rank_ddp", capsys.readouterr().out)
     assert train_tool.main([str(config), "--dry-run", "--cfg-options",

@@ -3,8 +3,6 @@ checkpoints that resume exactly and reshard (2 -> 3 -> 2 ranks), weights across 
 
 from __future__ import annotations
 
-import pickle
-import warnings
 from pathlib import Path
 
 import pytest
@@ -12,17 +10,16 @@ import torch
 from torch import nn
 
 from tests.records import assert_same_norms, grad_norms, loss_list
-from tests.runner.toy import CrashAfter, Killed, Payload, ToyModel
-from trainrun.runner.checkpoint import CheckpointManager, model_mismatch, newest_first
+from tests.runner.toy import CrashAfter, Killed, ToyModel
+from trainrun.checkpoint.format import load_state_file
+from trainrun.checkpoint.manager import CheckpointManager, newest_first
 from trainrun.runner.config import load_config
 from trainrun.runner.hooks import Hook
 from trainrun.runner.runner import Runner
-from trainrun.wrappers import STRATEGIES, checkpoint_format, is_model_wrapper
-from trainrun.wrappers.base import load_state_file
+from trainrun.wrappers import STRATEGIES, is_model_wrapper
 from trainrun.wrappers.fsdp import (
     FSDPStrategy,
     MMFullyShardedDataParallel,
-    check_metadata,
     mixed_precision_policy,
     shard_units,
 )
@@ -102,48 +99,6 @@ def test_shard_units_by_class_and_size():
 def test_single_process_trains_unwrapped(run_on, tmp_path):
     assert run_on(1)(_train_body, str(tmp_path / "a"), "fsdp", 6) == [False]
     assert len(loss_list(tmp_path / "a")) == 6
-
-
-def test_metadata_that_would_run_code_is_refused(tmp_path):
-    checkpoint = tmp_path / "iter_1.pth"
-    checkpoint.mkdir()
-    marker = tmp_path / "pwned"
-    (checkpoint / ".metadata").write_bytes(pickle.dumps({"x": Payload(str(marker))}))
-    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
-        check_metadata(checkpoint)
-    with pytest.raises(pickle.UnpicklingError):
-        load_state_file(str(checkpoint))
-    assert not marker.exists()
-
-
-def _saved_sharded(path: Path, model: nn.Module) -> Path:
-    """``model``'s state saved as DCP saves an fsdp checkpoint, in this process alone."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that there is no group
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
-    return path
-
-
-def test_the_format_reads_shapes_from_metadata_and_names_a_cut_short_file(tmp_path):
-    checkpoint = _saved_sharded(tmp_path / "iter_1.pth", ToyModel(hidden=8))
-    assert checkpoint_format(checkpoint) is FSDPStrategy
-    shapes = FSDPStrategy.model_shapes(checkpoint)
-    assert shapes == {"net.0.weight": (8, 4), "net.0.bias": (8,), "net.3.weight": (1, 8),
-                      "net.3.bias": (1,)}
-    wider = {key: tuple(value.shape) for key, value in ToyModel().state_dict().items()}
-    assert model_mismatch(wider, shapes) == ("net.0.weight has shape [8, 4] there, the "
-                                             "model's [16, 4]")
-    shard = next(checkpoint.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:-1])
-    with pytest.raises(ValueError, match=rf"{shard.name} is truncated: \d+ bytes, the "
-                                         r"checkpoint's metadata records \d+"):
-        FSDPStrategy.look_inside(checkpoint)
-    metadata = checkpoint / ".metadata"
-    metadata.write_bytes(metadata.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"\.metadata is truncated"):
-        FSDPStrategy.model_shapes(checkpoint)
 
 
 def test_switching_a_ddp_config_to_fsdp(tmp_path):

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 import trainrun.dist as dist
 from tests.procs import released
 from tests.runner.toy import CrashAfter, Killed, TwoNets, batch_of, flat_grads, flat_params
+from trainrun.checkpoint.format import load_state_file
 from trainrun.examples.gan import ToyGAN
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict
 from trainrun.runner.runner import Runner
@@ -21,7 +22,6 @@ from trainrun.wrappers import (
     SeparateDDPStrategy,
     is_model_wrapper,
 )
-from trainrun.wrappers.base import load_state_file
 
 CPU = torch.device("cpu")
 

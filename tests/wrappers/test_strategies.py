@@ -1,11 +1,10 @@
 """The strategy registry, the model contract, the single-device strategy, is_model_wrapper,
-and checkpoint files: written by rank 0, read back whole, crafted pickles refused."""
+and checkpoint files written by rank 0 (reading them safely: tests/checkpoint/)."""
 
 from __future__ import annotations
 
 import gc
 import logging
-import pickle
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ from tests.runner.toy import (
     TwoNets,
     batch_of,
     flat_params,
-    write_crafted_checkpoint,
 )
+from trainrun.checkpoint.format import load_state_file
 from trainrun.runner.optim import OptimWrapper, OptimWrapperDict
 from trainrun.wrappers import (
     STRATEGIES,
@@ -34,11 +33,9 @@ from trainrun.wrappers import (
     SingleDeviceStrategy,
     Strategy,
     build_strategy,
-    checkpoint_format,
     is_model_wrapper,
     parse_losses,
 )
-from trainrun.wrappers.base import load_state_file
 
 CPU = torch.device("cpu")
 
@@ -103,25 +100,17 @@ def test_a_new_strategy_is_one_class_and_one_registry_line(monkeypatch):
 
 
 class _Wrapped(nn.Module):
-    """A wrapper that only `_OwnFormat` declares."""
+    """A wrapper that only `_OwnWrapper` declares."""
 
 
-class _OwnFormat(SingleDeviceStrategy):
-    name = "own_format"
+class _OwnWrapper(SingleDeviceStrategy):
+    name = "own_wrapper"
     WRAPPERS = (_Wrapped,)
 
-    @classmethod
-    def owns_checkpoint(cls, path: Path) -> bool:
-        return (path / "own.pt").is_file()
 
-
-def test_formats_and_wrappers_are_those_of_the_registered_strategies(tmp_path, monkeypatch):
-    (tmp_path / "own.pt").write_bytes(b"")
-    assert checkpoint_format(tmp_path) is Strategy  # defined, but not registered: not asked
-    assert not is_model_wrapper(_Wrapped())
-    monkeypatch.setitem(STRATEGIES, "own_format", _OwnFormat)
-    assert checkpoint_format(tmp_path) is _OwnFormat
-    assert checkpoint_format(tmp_path / "own.pt") is Strategy  # one torch file
+def test_wrappers_are_those_of_the_registered_strategies(monkeypatch):
+    assert not is_model_wrapper(_Wrapped())  # defined, but not registered: not asked
+    monkeypatch.setitem(STRATEGIES, "own_wrapper", _OwnWrapper)
     assert is_model_wrapper(_Wrapped())
 
 
@@ -324,54 +313,6 @@ def test_save_checkpoint_writes_from_rank_zero_only(run_on, tmp_path):
     assert [r[2] for r in results] == [{"rank": 0}, {"rank": 0}]
     assert torch.equal(results[0][3], results[1][3])  # DDP gave rank 1 rank 0's weights
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pth"]
-
-
-def test_load_state_file_reads_tensors_and_plain_containers(tmp_path):
-    state = {"model": ToyModel().state_dict(), "meta": {"epoch": 2, "name": "x", "f": 0.5},
-             "list": [1, None, (2, 3)], "flag": True}
-    torch.save(state, tmp_path / "ok.pth")
-    loaded = load_state_file(str(tmp_path / "ok.pth"))
-    assert loaded["meta"] == state["meta"] and loaded["list"] == [1, None, (2, 3)]
-    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
-
-
-@pytest.mark.parametrize("raw_pickle", [False, True], ids=["torch_save", "raw_pickle"])
-def test_load_state_file_refuses_a_crafted_pickle(tmp_path, monkeypatch, raw_pickle):
-    # the payload is live: an ordinary unpickler runs it
-    write_crafted_checkpoint(tmp_path / "control.pth", tmp_path / "control-marker", raw_pickle)
-    if raw_pickle:
-        with open(tmp_path / "control.pth", "rb") as f:
-            pickle.load(f)  # the control: the payload works
-    else:
-        torch.load(tmp_path / "control.pth", weights_only=False)
-    assert (tmp_path / "control-marker").exists()
-
-    marker = tmp_path / "marker"
-    write_crafted_checkpoint(tmp_path / "evil.pth", marker, raw_pickle)
-    # not even the environment switch that turns weights_only off by default helps it
-    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    with pytest.raises(pickle.UnpicklingError):
-        load_state_file(str(tmp_path / "evil.pth"))
-    assert not marker.exists()
-    with pytest.raises(pickle.UnpicklingError):
-        SingleDeviceStrategy().load_checkpoint(str(tmp_path / "evil.pth"), ToyModel(), None)
-    assert not marker.exists()
-
-
-def test_load_state_file_calls_any_damaged_file_unreadable(tmp_path):
-    """Bytes that are no pickle make torch's weights_only unpickler fail in many ways (an
-    IndexError or KeyError from its stack or memo, EOFError, UnpicklingError, ...): every one
-    is the same one-line ValueError. 400 seeded random files hit each kind here."""
-    import random
-    import warnings
-
-    path = tmp_path / "damaged.pth"
-    for seed in range(400):
-        path.write_bytes(random.Random(seed).randbytes(4096))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns about pickle protocols it sees
-            with pytest.raises(ValueError, match="not a readable checkpoint"):
-                load_state_file(str(path))
 
 
 def test_every_shipped_wrapper_meets_the_declared_contracts():

@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from trainrun.checkpoint.files import replacing
+from trainrun.checkpoint.manager import resolve_checkpoint
+from trainrun.checkpoint.manifest import verify_checkpoint
+from trainrun.checkpoint.read import read_train_state, read_weights
 from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.dist.device import DTYPES
 from trainrun.exits import EXIT_OK, EXIT_USAGE
-from trainrun.runner.checkpoint import read_train_state, read_weights, resolve_checkpoint
-from trainrun.runner.files import replacing
 from trainrun.runner.hooks.ema import EMAHook
-from trainrun.runner.manifest import verify_checkpoint
 from trainrun.runner.run_dir import run_owning
 
 FORMATS = ("safetensors", "torch")

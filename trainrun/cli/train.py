@@ -200,13 +200,15 @@ def _checked_checkpoint(key: str, path: str, run_directory: bool = False) -> str
     one and holds nothing that would run code; else a ConfigError naming ``key``. With
     ``run_directory`` a run directory stays one, once its ``last`` names a checkpoint: the
     runner resumes from its newest intact checkpoint (and verifies every checkpoint)."""
-    from trainrun.runner.checkpoint import check_checkpoint, is_checkpoint, resolve_checkpoint
+    from trainrun.checkpoint.format import is_checkpoint
+    from trainrun.checkpoint.manager import resolve_checkpoint
+    from trainrun.checkpoint.read import check_checkpoint_file
 
     try:
         if run_directory and not is_checkpoint(path):
             resolve_checkpoint(path)
             return path
-        return str(check_checkpoint(path))
+        return str(check_checkpoint_file(path))
     except (OSError, ValueError, pickle.UnpicklingError) as error:
         raise ConfigError(f"{key}: {error}") from None
 

@@ -33,14 +33,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from trainrun.checkpoint.manager import LAST
+from trainrun.checkpoint.manifest import is_sidecar
 from trainrun.cli import TRAIN, HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.processes import process_tree
 from trainrun.dist.launch import free_port
 from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-from trainrun.runner.checkpoint import LAST
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.hooks.logger import NOT_REPRODUCIBLE
-from trainrun.runner.manifest import is_sidecar
 from trainrun.runner.run_dir import RunDir, is_resume_mark
 
 EXIT_EXACT, EXIT_DIFFERENT = EXIT_OK, EXIT_FAILED  # this tool's verdicts

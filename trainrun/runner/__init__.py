@@ -1,5 +1,6 @@
 """The runner's core: `Runner` (runner.py) and what it is built from: config, loops, hooks,
-checkpoints, optimiser wrappers, schedulers, seeds. The command lines are in `trainrun.cli`."""
+optimiser wrappers, schedulers, seeds. Checkpoints are in `trainrun.checkpoint`, the command
+lines in `trainrun.cli`."""
 
 from trainrun.runner.runner import Runner
 

@@ -28,7 +28,7 @@ from trainrun.messages import first_line, show
 from trainrun.registry import STRATEGIES
 from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
 from trainrun.runner.builder import LOADER_OPTIONS, MODEL, check_data
-from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
+from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint_section
 from trainrun.runner.hooks.from_config import check_hooks
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.inherit import MARKERS, read_with_bases
@@ -161,7 +161,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "logging": (None, expects("a mapping", partial(check_logging, warnings=warnings)),
                     "what is logged, how often and where"),
         "checkpoint": (None, expects("a mapping",
-                                     partial(check_checkpoint, warnings=warnings)),
+                                     partial(check_checkpoint_section, warnings=warnings)),
                        "when checkpoints are written and how many are kept"),
         "preemption": (None, PREEMPTION, "which signals stop training with a checkpoint"),
         "hooks": ([], expects("a list of mappings", partial(check_hooks, warnings=warnings)),

@@ -25,9 +25,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainrun.checkpoint.files import write_atomically
 from trainrun.dist.heartbeat import exit_saying
 from trainrun.runner.config import ConfigError
-from trainrun.runner.files import write_atomically
 
 log = logging.getLogger("trainrun")
 

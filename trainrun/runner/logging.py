@@ -9,6 +9,7 @@ failure anywhere still reaches the console. The numbers go to ``metrics.jsonl``
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from logging.handlers import MemoryHandler
 from pathlib import Path
@@ -46,6 +47,18 @@ def setup_logging(log_file: Path | None = None, hold_for_file: bool = False) -> 
     elif hold_for_file:
         logger.addHandler(MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1))
     return logger
+
+
+def log_restart(logger: logging.Logger) -> None:
+    """Say when this process is a restart: torchrun's (``--max-restarts``, after a worker
+    died) or a requeued SLURM job's."""
+    torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    slurm = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if torchrun:
+        logger.warning("torchrun restarted the workers: restart %d of %s (--max-restarts)",
+                       torchrun, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
+    if slurm:
+        logger.warning("SLURM started this job again: restart %d", slurm)
 
 
 class LogFile(logging.FileHandler):

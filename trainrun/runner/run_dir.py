@@ -32,10 +32,10 @@ from typing import Any, TextIO
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from trainrun.checkpoint.files import replacing, write_atomically
+from trainrun.checkpoint.manager import CHECKPOINTS_DIR
 from trainrun.dist import master_only
-from trainrun.runner.checkpoint import CHECKPOINTS_DIR
 from trainrun.runner.config import LAUNCH_KEYS, RESUME_MAY_CHANGE, saved_config_changes
-from trainrun.runner.files import replacing, write_atomically
 from trainrun.runner.lock import LOCK_NAME, RunLock
 
 CONFIG = "config.yaml"

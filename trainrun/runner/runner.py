@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainrun.checkpoint.manager import CheckpointManager, resolve_checkpoint
+from trainrun.checkpoint.optimizer_state import OptimizerMismatch
+from trainrun.checkpoint.read import read_train_state, read_weights
+from trainrun.checkpoint.resume import StartPoint
+from trainrun.checkpoint.train_state import HookStates
 from trainrun.dist import (
     PeerFailure,
     at_checkpoint,
     barrier,
     broadcast_object_list,
-    gather_object,
     get_dist_info,
     init_dist,
     is_comm_error,
@@ -35,55 +37,26 @@ from trainrun.dist import (
     phase,
     watch_ranks,
 )
-from trainrun.dist.heartbeat import Heartbeat, brief
 from trainrun.dist.timeouts import get_timeout
-from trainrun.messages import first_line
-from trainrun.runner.builder import (
-    build_dataloader,
-    build_metrics,
-    build_model,
-    check_batches,
-    check_loader,
-    check_set_name,
-    named_sets,
-    unsized_epochs,
+from trainrun.runner.builder import build_model
+from trainrun.runner.config import (
+    DEFAULT_DIST_TIMEOUT,
+    ConfigError,
 )
-from trainrun.runner.checkpoint import (
-    CheckpointManager,
-    checkpoints_in,
-    is_checkpoint,
-    model_mismatch,
-    model_shapes,
-    newest_intact,
-    read_train_state,
-    read_weights,
-    resolve_checkpoint,
-)
-from trainrun.runner.config import DEFAULT_DIST_TIMEOUT, ConfigError, check_compile
 from trainrun.runner.evaluation import BaseMetric
-from trainrun.runner.hooks import (
-    CheckpointHook,
-    Hook,
-    IterTimerHook,
-    LoggerHook,
-    PreemptionHook,
-    ValidationHook,
-)
-from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint
-from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
+from trainrun.runner.failures import failures_told, training_failures
+from trainrun.runner.hooks import Hook, IterTimerHook
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
-from trainrun.runner.logging import attach_log_file, setup_logging
+from trainrun.runner.logging import attach_log_file, log_restart, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
-from trainrun.runner.manifest import DamagedCheckpoint, verify_checkpoint
-from trainrun.runner.optim import build_scheduler, optimizer_factory, wrap_optimizers
-from trainrun.runner.preemption import PREEMPTION, Preempted, StopRequest, stop_signals
+from trainrun.runner.parts import PartBuilder, runner_arguments
+from trainrun.runner.preemption import PREEMPTION, StopRequest, stop_signals
 from trainrun.runner.run_dir import RunDir
-from trainrun.runner.sampler import ResumableSampler
-from trainrun.runner.seed import RANDOMNESS, rng_state, set_random_seed, set_rng_state
-from trainrun.runner.stream import is_sized, is_stream, stream_warnings
-from trainrun.wrappers import Strategy, build_strategy
-from trainrun.wrappers.base import OptimizerMismatch
+from trainrun.runner.seed import RANDOMNESS, set_random_seed
+from trainrun.runner.state_parts import train_state
+from trainrun.runner.stream import is_stream
+from trainrun.wrappers import Strategy
 
 
 class Runner:
@@ -245,55 +218,44 @@ class Runner:
             # made, after everything the config describes was built: a config that cannot be
             # built leaves no trace on disk
             self.logger = setup_logging(hold_for_file=self.rank == 0)
-            self._log_restart()
+            log_restart(self.logger)
             self.precision = precision
 
             model = build_model(model) if isinstance(model, Mapping) else model
             shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-            self.train_dataloader = self._loader(train_dataloader, "train")
-            self.val_dataloader = self._val_loaders(val_dataloader)
-            self.test_dataloader = self._loader(test_dataloader, "test")
-            self._check_batches(train_dataloader)
-            self.val_metrics = self._val_metrics(val_metrics, val_dataloader)
-            self.test_metrics = self._metrics(test_metrics, test_dataloader,
+            build = PartBuilder(self)
+            self.train_dataloader = build.loader(train_dataloader, "train")
+            self.val_dataloader = build.val_loaders(val_dataloader)
+            self.test_dataloader = build.loader(test_dataloader, "test")
+            build.check_train_batches(self.train_dataloader, train_dataloader)
+            self.val_metrics = build.val_metrics(val_metrics, val_dataloader)
+            self.test_metrics = build.metrics(test_metrics, test_dataloader,
                                               self.test_dataloader, "data.test")
 
-            self.strategy = self._strategy(strategy)
-            compile = check_compile("compile", compile)
-            self.strategy.use_compile(compile or None)
-            make_optimizer = optimizer_factory(optim, self._warn_once, self._log_groups) \
-                if isinstance(optim, Mapping) else optim
-            if self.train_dataloader is None:
-                make_optimizer = None
-            optim_cfg = optim if isinstance(optim, Mapping) else {}
-            self.strategy.configure(getattr(self.train_dataloader, "batch_size", None), optim_cfg,
-                                    precision)
-            self.model, self.optimizer = self.strategy.setup(model, self.device, make_optimizer)
-            self.optim_wrapper = self.strategy.optim_wrapper(self.model, self.optimizer)
-            if self.optimizer is not None and self.optim_wrapper is None:
-                self.optim_wrapper = wrap_optimizers(self.optimizer, optim_cfg, precision,
-                                                     self.device.type)
+            self.strategy = build.strategy(strategy)
+            self.model, self.optimizer, self.optim_wrapper = build.wrapped_model(
+                model, optim, compile, precision)
 
             schedule = check_schedule("schedule", schedule)
-            self._set_schedule(schedule)
-            self.schedulers = self._schedulers(scheduler)
+            self.by_epoch, self.max_epochs, self.max_iters = build.schedule_length(
+                schedule, self.train_dataloader)
+            self.schedulers = build.schedulers(scheduler, self.optimizer, self.max_iters)
 
-            checkpoint = self._section(check_checkpoint, "checkpoint", checkpoint)
-            check_best_metric("checkpoint.save_best", checkpoint["save_best"],
-                              list(self.val_dataloader) if isinstance(self.val_dataloader, dict)
-                              else None)
+            checkpoint = build.checkpoint_section(checkpoint)
             self.checkpoints = CheckpointManager(self.run_dir.checkpoints, self.strategy,
                                                  max_keep=checkpoint["max_keep"])
-            self._intact: set[Path] = set()  # checkpoints verified against their manifests
-            self.start_from = self._start_point()  # damaged: refused before anything is written
-            self._check_fits(shapes)  # another model's: the same
-            extra_hooks = self._extra_hooks(hooks)  # a hook's bad option: the same
-            logging = self._section(check_logging, "logging", logging)  # and the logging's
+            # a damaged checkpoint, another model's, a hook's bad option or the logging's:
+            # refused before anything is written
+            self._start = StartPoint(self.checkpoints.directory, refusal=ConfigError)
+            self.start_from = self._start.choose(resume, load_from)
+            self._start.check_fits(self.start_from, shapes)
+            extra_hooks = build.extra_hooks(hooks)
+            logging = build.section(check_logging, "logging", logging)
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
             self._prepare_work_dir()
             self.metrics_file = self.run_dir.metrics_file()
             self.timer = IterTimerHook(count_batches=logging["step_metrics"])
-            self.hooks = self._hooks(extra_hooks, logging, checkpoint, schedule["val_interval"])
+            self.hooks = build.hooks(extra_hooks, logging, checkpoint, schedule["val_interval"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
             self.iter = 0  # finished training iterations
             self.stop_request: StopRequest | None = None  # while training: a stop signal, if any
@@ -301,8 +263,7 @@ class Runner:
             self.training = False
             self.failed_at_step: int | None = None  # the step training was in when it raised
             loader = self.train_dataloader  # a stream may have no length to test
-            self.train_loop = TrainLoop(self, loader) \
-                if is_stream(loader) or loader else None
+            self.train_loop = TrainLoop(self, loader) if is_stream(loader) or loader else None
         except BaseException as error:
             self._leave_group(error)
             raise
@@ -327,35 +288,8 @@ class Runner:
         Raises:
             ConfigError: what the constructor raises for a config the run cannot use.
         """
-        from trainrun.runner.config import strategy_options
-
-        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) \
-            else dict(cfg)
-        data = plain.get("data") or {}
-        return cls(
-            model=plain["model"],
-            work_dir=run_dir or plain["work_dir"],
-            train_dataloader=data.get("train"),
-            val_dataloader=data.get("val"),
-            test_dataloader=data.get("test"),
-            optim=plain.get("optim"),
-            scheduler=plain.get("scheduler"),
-            strategy={"type": plain["strategy"]["type"], **strategy_options(cfg)},
-            precision=plain["precision"],
-            compile=plain.get("compile", False),
-            schedule=plain["schedule"],
-            randomness=plain["randomness"],
-            logging=plain["logging"],
-            checkpoint=plain["checkpoint"],
-            preemption=plain["preemption"],
-            hooks=plain.get("hooks") or [],
-            resume=plain["resume"],
-            load_from=plain["load_from"],
-            launcher=plain["launcher"],
-            backend=plain["backend"],
-            dist_timeout=plain["dist_timeout"],
-            cfg=cfg,
-        )
+        arguments = runner_arguments(cfg)
+        return cls(**(arguments if run_dir is None else {**arguments, "work_dir": run_dir}))
 
     def _prepare_work_dir(self) -> None:
         """Rank 0 creates the run directory and takes its lock (another live job holding it
@@ -375,164 +309,6 @@ class Runner:
         barrier()
         if self.rank == 0:
             attach_log_file(self.run_dir.log)
-
-    def _log_restart(self) -> None:
-        """Say when this process is a restart: torchrun's (``--max-restarts``, after a worker
-        died) or a requeued SLURM job's."""
-        torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        slurm = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        if torchrun:
-            self.logger.warning("torchrun restarted the workers: restart %d of %s "
-                                "(--max-restarts)", torchrun,
-                                os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
-        if slurm:
-            self.logger.warning("SLURM started this job again: restart %d", slurm)
-
-    def _loader(self, loader: Any, split: str, key: str | None = None) -> DataLoader | None:
-        if loader is None or isinstance(loader, DataLoader):
-            return loader
-        key = key or f"data.{split}"
-        section = self._section(partial(check_loader, split=split), key, loader)
-        built = build_dataloader(section, self.seed, split == "train", key=key)
-        if is_stream(built) and self.rank == 0:
-            for warning in stream_warnings(key, section, built.dataset.dataset):
-                self.logger.warning(warning)
-        return built
-
-    def _val_loaders(self, loaders: Any) -> DataLoader | dict[str, DataLoader] | None:
-        """The validation loader, or for several validation sets (a mapping of names to
-        loaders or data sections) a dict of them."""
-        if not named_sets(loaders):
-            return self._loader(loaders, "val")
-        return {check_set_name("data.val", name): self._loader(loader, "val", f"data.val.{name}")
-                for name, loader in loaders.items()}
-
-    def _val_metrics(self, metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]]
-                     | None, sections: Any) -> list[BaseMetric] | dict[str, list[BaseMetric]]:
-        """The validation metrics; for several sets a dict of them by set: from ``metrics``
-        (a dict by set name, or one list every set is scored with in turn), else from each
-        set's section or data set."""
-        loaders = self.val_dataloader
-        if not isinstance(loaders, dict):
-            return self._metrics(metrics, sections, loaders, "data.val")
-        if isinstance(metrics, Mapping) and set(metrics) - set(loaders):
-            raise ValueError(f"val_metrics names sets {sorted(set(metrics) - set(loaders))} "
-                             f"that val_dataloader does not have ({', '.join(loaders)})")
-        return {name: self._metrics(metrics.get(name) if isinstance(metrics, Mapping)
-                                    else metrics, sections[name], loader, f"data.val.{name}")
-                for name, loader in loaders.items()}
-
-    def _metrics(self, metrics: Sequence[BaseMetric] | None, section: Any,
-                 loader: DataLoader | None, key: str) -> list[BaseMetric]:
-        if metrics is not None:
-            return list(metrics)
-        if loader is None:
-            return []
-        return build_metrics(section if isinstance(section, Mapping) else None, loader.dataset,
-                             key)
-
-    def _check_batches(self, section: Any) -> None:
-        """A training set the config describes that leaves no batch is refused (every rank
-        finds the same) before the run directory is written."""
-        loader = self.train_dataloader
-        if is_stream(loader):
-            if is_sized(loader) and len(loader) == 0:
-                raise ConfigError(f"data.train: the stream's {len(loader.dataset.dataset)} "
-                                  f"items leave no batch of {loader.batch_size} for each of "
-                                  f"{self.world_size} process(es) x "
-                                  f"{loader.dataset.workers} worker(s)")
-            return
-        if isinstance(section, Mapping) and loader is not None and len(loader) == 0:
-            check_batches("data.train", len(loader.dataset), self.world_size,
-                          loader.batch_size, loader.drop_last)
-
-    def _section(self, check: Callable[..., dict[str, Any]], key: str,
-                 value: Mapping[str, Any] | None) -> dict[str, Any]:
-        """A section given to the runner checked and completed by its table, as `from_cfg`'s
-        are already; what the check warns about is logged (for a config, `load_config` said
-        it when it read the file)."""
-        warnings: list[str] = []
-        out = check(key, value, warnings=warnings)
-        for warning in warnings if self.cfg is None else ():
-            self.logger.warning(warning)
-        return out
-
-    def _warn_once(self, message: str) -> None:
-        """A warning every rank finds alike (about the config and the model), said by rank 0."""
-        if self.rank == 0:
-            self.logger.warning(message)
-
-    def _log_groups(self, lines: list[str]) -> None:
-        if self.rank == 0:
-            self.logger.info("parameter groups (optim.paramwise):\n  %s", "\n  ".join(lines))
-
-    @staticmethod
-    def _strategy(strategy: str | Mapping[str, Any] | Strategy) -> Strategy:
-        if isinstance(strategy, Strategy):
-            return strategy
-        if isinstance(strategy, str):
-            return build_strategy(strategy)
-        options = dict(strategy)
-        return build_strategy(options.pop("type"), **options)
-
-    def _set_schedule(self, schedule: Mapping[str, Any]) -> None:
-        self.by_epoch = schedule["max_iters"] is None
-        loader = self.train_dataloader
-        if loader is not None and not is_sized(loader):  # a stream without a length
-            if self.by_epoch:
-                unsized_epochs(type(loader.dataset.dataset).__name__, None)
-            loader = None
-        steps_per_epoch = len(loader) if loader else 0
-        if self.by_epoch:
-            self.max_epochs = schedule["max_epochs"]
-            self.max_iters = self.max_epochs * steps_per_epoch
-        else:
-            self.max_iters = schedule["max_iters"]
-            self.max_epochs = -(-self.max_iters // steps_per_epoch) if steps_per_epoch else 0
-
-    def _schedulers(self, cfg: Mapping[str, Any] | None) -> list[Any]:
-        if not cfg or self.optimizer is None:
-            return []
-        optimizers = self.optimizer.values() if isinstance(self.optimizer, Mapping) \
-            else [self.optimizer]
-        try:
-            return [build_scheduler(opt, dict(cfg), self.max_iters) for opt in optimizers]
-        except ValueError as error:  # its messages name the key: a config that cannot run
-            raise ConfigError(str(error)) from None
-
-    def _extra_hooks(self, hooks: Sequence[Hook | Mapping[str, Any]]) -> list[Hook]:
-        """The hooks given, those described by a config's ``hooks`` items built, each checked
-        against the built run (`Hook.check`); a refusal is a ConfigError naming the item."""
-        built: list[Hook] = []
-        for i, hook in enumerate(hooks):
-            key = f"hooks[{i}]"
-            if isinstance(hook, Mapping):
-                warnings: list[str] = []
-                hook = build_hook(key, hook, warnings)
-                for warning in warnings if self.cfg is None else ():  # else said by the config
-                    self.logger.warning(warning)
-            check = getattr(hook, "check", None)  # (a hook need not derive from Hook)
-            try:
-                if check is not None:
-                    check(self)
-            except ValueError as error:
-                raise hook_error(key, error, option_names(type(hook))) from None
-            built.append(hook)
-        return built
-
-    def _hooks(self, extra: Sequence[Hook], logging: dict[str, Any],
-               checkpoint: dict[str, Any], val_interval: int) -> list[Hook]:
-        hooks: list[Hook] = [self.timer, LoggerHook(logging["interval"], logging["backends"],
-                                                    step_metrics=logging["step_metrics"])]
-        if self.val_dataloader is not None:
-            hooks.append(ValidationHook(val_interval))
-        if self.train_dataloader is not None:
-            hooks.append(CheckpointHook(checkpoint["interval"], checkpoint["save_last"],
-                                        checkpoint["save_best"], checkpoint["best_rule"],
-                                        checkpoint["async"]))
-            hooks.append(PreemptionHook())
-        hooks.extend(extra)
-        return sorted(hooks, key=lambda hook: hook.priority)
 
     # ------------------------------------------------------------------ running
 
@@ -614,22 +390,8 @@ class Runner:
         with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
                 stop_signals(self.stop_signals) as self.stop_request:
             try:
-                self.train_loop.run()
-            except Preempted as stop:
-                self._hooks_on_error(stop)
-                raise
-            except BaseException as error:
-                if isinstance(error, Exception):
-                    self.failed_at_step = self.iter + 1
-                    try:
-                        self._tell_peers(error, heartbeat)
-                    finally:
-                        self._hooks_on_error(error)
-                    self.logger.exception("rank %d: training failed at step %d (epoch %d)",
-                                          self.rank, self.iter + 1, self.epoch + 1)
-                else:  # Ctrl-C and the like
-                    self._hooks_on_error(error)
-                raise
+                with training_failures(self, heartbeat):
+                    self.train_loop.run()
             finally:
                 self.training = False
                 self.stop_request = None
@@ -638,34 +400,6 @@ class Runner:
                              self.checkpoints.last_saved.name)
         self.call_hook("after_run")
         return self.model
-
-    def _hooks_on_error(self, error: BaseException) -> None:
-        """Every hook's ``on_error``; one that fails itself is logged, not raised: ``error``
-        is what the user needs to see."""
-        for hook in self.hooks:
-            try:
-                if hasattr(hook, "on_error"):
-                    hook.on_error(self, error)
-            except Exception:
-                self.logger.exception("%s.on_error failed", type(hook).__name__)
-
-    @staticmethod
-    def _tell_peers(error: Exception, heartbeat: Heartbeat | None) -> None:
-        """For a failed collective, raise `PeerFailure` saying why in the heartbeat's words
-        (another rank failed or went silent); for a failure of this rank's own, tell the other
-        ranks and return (the caller re-raises it)."""
-        if heartbeat is None:
-            return
-        if not is_comm_error(error):
-            heartbeat.post_failure(error)
-            return
-        try:
-            why = PeerFailure(heartbeat.explain())
-        except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
-            why = PeerFailure(heartbeat.lost_contact(
-                f"lost contact with the other ranks ({brief(error)}) and with the job's store "
-                f"at {heartbeat.address} ({brief(store_error)})"), said=False)
-        raise why from error
 
     def val(self) -> dict[str, float]:
         """Validate on the val data; every rank gets the metrics (with several validation
@@ -707,12 +441,8 @@ class Runner:
         loop = EvalLoop(self, self.test_dataloader, self.test_metrics, "test")
         if self.training:
             return loop.run()
-        with watch_ranks(get_timeout().total_seconds()) as heartbeat:
-            try:
-                return loop.run()
-            except Exception as error:
-                self._tell_peers(error, heartbeat)
-                raise
+        with watch_ranks(get_timeout().total_seconds()) as heartbeat, failures_told(heartbeat):
+            return loop.run()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -723,69 +453,6 @@ class Runner:
             ``epoch_<epoch>`` when the schedule counts epochs, else ``iter_<iter>``.
         """
         return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
-
-    def _train_state(self) -> dict[str, Any]:
-        """Everything but model and optimiser that an exact resume needs; rank 0's copy holds
-        every rank's RNG states and optimiser-wrapper states (the latter carry each rank's own
-        accumulated gradients between steps); this gathers them, so every rank must call it."""
-        rngs = gather_object(rng_state(), dst=0)
-        wrapper_states = gather_object(self.optim_wrapper.state_dict(), dst=0)
-        loader = self.train_dataloader
-        sampler = loader.sampler
-        state = {
-            "meta": {"epoch": self.epoch, "iter": self.iter, "seed": self.seed,
-                     "world_size": self.world_size, "strategy": self.strategy.name},
-            "sampler": sampler.state_dict() if isinstance(sampler, ResumableSampler) else None,
-            "optim_wrapper": wrapper_states,
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "rng": rngs,
-            "hooks": self._hook_states(),
-        }
-        if is_stream(loader):  # its place: every rank's (each reads its own share)
-            state["stream"] = gather_object(loader.state_dict(), dst=0)
-        return state
-
-    def _hook_states(self) -> dict[str, Any]:
-        """The hooks' states by key: rank 0's, or for a hook with ``state_per_rank`` every
-        rank's (gathered: every rank calls this)."""
-        states = {}
-        for key, hook in self._keyed_hooks():
-            if not hasattr(hook, "state_dict"):
-                continue
-            if getattr(hook, "state_per_rank", False) is True:
-                states[key] = {"per_rank": gather_object(hook.state_dict(), dst=0)}
-            else:
-                states[key] = hook.state_dict()
-        return states
-
-    def _load_hook_states(self, states: Mapping[str, Any]) -> None:
-        """Each hook's state from a checkpoint: its own rank's for a ``state_per_rank`` hook
-        (where the world size is the one that saved it)."""
-        for key, hook in self._keyed_hooks():
-            if not hasattr(hook, "load_state_dict") or key not in states:
-                continue
-            state = states[key]
-            if getattr(hook, "state_per_rank", False) is True:
-                per_rank = state["per_rank"]
-                if len(per_rank) != self.world_size:
-                    self.logger.warning("%s: the checkpoint holds the states of %d ranks, this "
-                                        "job has %d: its state starts afresh", key,
-                                        len(per_rank), self.world_size)
-                    continue
-                state = per_rank[self.rank]
-            hook.load_state_dict(state)
-
-    def _keyed_hooks(self) -> list[tuple[str, Hook]]:
-        """Each hook with the key of its state in a checkpoint: its class's name, and for a
-        second hook of one class ``Name#2`` (and so on, in the order of the hooks), so that two
-        of a kind keep their states apart; a first one keeps the key older checkpoints used."""
-        seen: dict[str, int] = {}
-        keyed = []
-        for hook in self.hooks:
-            name = type(hook).__name__
-            seen[name] = seen.get(name, 0) + 1
-            keyed.append((name if seen[name] == 1 else f"{name}#{seen[name]}", hook))
-        return keyed
 
     def saved_hook_state(self, hook: Hook, path: str | os.PathLike) -> Any:
         """What the checkpoint at ``path`` holds of ``hook``'s state (None: nothing), for a
@@ -799,12 +466,8 @@ class Runner:
             The state the hook's ``state_dict`` gave (this rank's, for a ``state_per_rank``
             hook saved by as many ranks), or None.
         """
-        key = next(key for key, each in self._keyed_hooks() if each is hook)
-        state = read_train_state(path).get("hooks", {}).get(key)
-        if isinstance(state, Mapping) and "per_rank" in state:
-            per_rank = state["per_rank"]
-            return per_rank[self.rank] if len(per_rank) == self.world_size else None
-        return state
+        hook_states = HookStates(self.hooks, self.rank, self.world_size)
+        return hook_states.saved(hook, read_train_state(path))
 
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
                         background: bool = False) -> Path:
@@ -827,82 +490,13 @@ class Runner:
         self.call_hook("before_checkpoint_save")
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
-                                         self.optimizer, self._train_state(), update_last,
-                                         background, step=self.iter)
-
-    def _start_point(self) -> tuple[str, Path] | None:
-        """What `train` starts from, verified against its manifest: ('resume', checkpoint),
-        ('load', checkpoint) for weights only, or None. A damaged checkpoint named by path is
-        a ConfigError; resuming from a run directory (``resume: true``, or its path) goes back
-        from its newest checkpoint to the newest intact one, saying what it skipped."""
-        if self.resume_from:
-            given = None if self.resume_from is True else Path(self.resume_from)
-            if given is not None and is_checkpoint(given):
-                return "resume", self._verified("resume", given)
-            try:
-                if given is not None:
-                    resolve_checkpoint(given)  # a directory whose `last` names a checkpoint
-                directory = checkpoints_in(given) if given else self.checkpoints.directory
-                found = newest_intact(directory, self._skipped)
-            except (FileNotFoundError, ValueError) as error:
-                raise ConfigError(f"resume: {error}") from None
-            if found is not None:
-                self._say_unverified(*found)
-                self._intact.add(found[0])
-                return "resume", found[0]
-            self.logger.info("resume: no checkpoint in %s yet; starting from the beginning",
-                             self.checkpoints.directory)
-        if self.load_from:
-            try:
-                path = resolve_checkpoint(self.load_from)
-            except FileNotFoundError as error:
-                raise ConfigError(f"load_from: {error}") from None
-            return "load", self._verified("load_from", path)
-        return None
-
-    def _check_fits(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """A checkpoint to start from that another model wrote (a tensor missing, or of
-        another shape, against ``shapes``, the model's) is a ConfigError naming the first, read
-        from the checkpoint's records of its tensors."""
-        if self.start_from is None:
-            return
-        kind, path = self.start_from
-        key = "resume" if kind == "resume" else "load_from"
-        try:
-            mismatch = model_mismatch(shapes, model_shapes(path))
-        except (OSError, ValueError, pickle.UnpicklingError) as error:  # unreadable, or unsafe
-            raise ConfigError(f"{key}: {first_line(error)}") from None
-        if mismatch is not None:
-            raise ConfigError(f"{key}: {path} was written by another model: {mismatch}")
-
-    def _verified(self, key: str, path: Path) -> Path:
-        """``path``, once verified against its manifest (once per runner); a damaged one is a
-        ConfigError naming ``key``, the checkpoint and the file that failed."""
-        if path not in self._intact:
-            try:
-                self._say_unverified(path, verify_checkpoint(path))
-            except DamagedCheckpoint as error:
-                raise ConfigError(f"{key}: {error}") from None
-            self._intact.add(path)
-        return path
-
-    def _skipped(self, error: DamagedCheckpoint) -> None:
-        if self.rank == 0:
-            self.logger.warning("resume: skipped: %s", error)
-
-    def _say_unverified(self, path: Path, verified: bool) -> None:
-        if not verified:
-            self.logger.info("%s has no manifest of hashes (written before checkpoints were "
-                             "hashed): loading it unverified", path)
+                                         self.optimizer, train_state(self).state_dict(),
+                                         update_last, background, step=self.iter)
 
     def _resume_or_load(self) -> None:
-        if self.start_from is None:
-            return
-        how, path = self.start_from
-        if how == "resume":
-            self.resume(path)
-        else:
-            self.load_weights(path)
+        if self.start_from is not None:
+            how, path = self.start_from
+            (self.resume if how == "resume" else self.load_weights)(path)
 
     def resume(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint at ``path`` stopped (verified first).
@@ -918,51 +512,14 @@ class Runner:
             ConfigError: the checkpoint is damaged, or its optimiser state does not fit this
                 run's optimiser.
         """
-        path = self._verified("resume", Path(path))
+        path = self._start.verified("resume", Path(path))
         try:
             state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
         except OptimizerMismatch as error:
             raise ConfigError(f"resume: {path}: {error}") from None
-        meta = state["meta"]
-        self.epoch, self.iter, self.seed = meta["epoch"], meta["iter"], meta["seed"]
-        wrapper_states = state["optim_wrapper"]
-        if isinstance(wrapper_states, Mapping):  # one state for every rank
-            wrapper_states = [wrapper_states]
-        self.optim_wrapper.load_state_dict(wrapper_states[self.rank] if len(wrapper_states)
-                                           == self.world_size else wrapper_states[0])
-        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(saved)
-        sampler = self.train_dataloader.sampler
-        if isinstance(sampler, ResumableSampler) and state.get("sampler"):
-            sampler.load_state_dict(state["sampler"])
-            # the epoch being trained goes on from the cursor, even one at the epoch's end (a
-            # checkpoint after its last step): that epoch is then finished, not started again
-            self.train_loop.resume_mid_epoch = sampler.epoch == self.epoch
-        self._resume_stream(state.get("stream"))
-        self._load_hook_states(state["hooks"])
-        rngs = state["rng"]
-        if len(rngs) == self.world_size:
-            set_rng_state(rngs[self.rank])
-        else:
-            self.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
-                                "random streams restart, so losses will not match exactly",
-                                len(rngs), self.world_size)
-        at_checkpoint(Path(path).name, self.iter)
+        train_state(self).load_state_dict(state)
+        at_checkpoint(path.name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
-
-    def _resume_stream(self, streams: list[Any] | None) -> None:
-        """Put a stream back where this rank's share of it stopped. Saved by another number of
-        ranks, the shares differ: the stream starts again, said in a warning."""
-        loader = self.train_dataloader
-        if not is_stream(loader) or streams is None:
-            return
-        if len(streams) == self.world_size:
-            loader.load_state_dict(streams[self.rank])
-        elif self.rank == 0:
-            self.logger.warning("data.train: the checkpoint was written by %d ranks, this job "
-                                "has %d: each rank's share of the stream differs, so the "
-                                "stream starts again from its beginning", len(streams),
-                                self.world_size)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path`` (a
@@ -976,7 +533,7 @@ class Runner:
             FileNotFoundError: ``path`` does not exist or names no checkpoint.
             ConfigError: the checkpoint is damaged.
         """
-        path = self._verified("load_from", resolve_checkpoint(path))
+        path = self._start.verified("load_from", resolve_checkpoint(path))
         self.strategy.load_model_state_dict(self.model, read_weights(path))
         self.logger.info("loaded weights from %s", path)
 

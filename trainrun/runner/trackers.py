@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainrun.checkpoint.files import write_atomically
 from trainrun.registry import TRACKERS
-from trainrun.runner.files import write_atomically
 from trainrun.runner.logging import get_logger
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.schema import ConfigError, bad_value, choice

@@ -2,8 +2,9 @@
 
 Adding a strategy is one new file with a ``Strategy`` subclass and one
 ``STRATEGIES.register`` line (below; the registry is ``trainrun.registry``'s). Everything
-outside this package that depends on the strategy (building it, reading a checkpoint, telling
-a wrapper from a plain model) asks the registry.
+outside this package that depends on the strategy (building it, telling a wrapper from a plain
+model) asks the registry; reading a checkpoint asks the checkpoint formats
+(``trainrun.checkpoint``), never a strategy.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainrun.registry import STRATEGIES
-from trainrun.wrappers.base import Strategy, checkpoint_format
+from trainrun.wrappers.base import Strategy
 from trainrun.wrappers.base_model import BaseModel, parse_losses
 from trainrun.wrappers.contracts import ModelContract, OptimWrapperContract, StepOptimWrapper
 from trainrun.wrappers.ddp import DDPStrategy, MMDistributedDataParallel
@@ -56,7 +57,6 @@ __all__ = [
     "StepOptimWrapper",
     "Strategy",
     "build_strategy",
-    "checkpoint_format",
     "is_model_wrapper",
     "parse_losses",
 ]

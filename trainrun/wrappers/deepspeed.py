@@ -13,15 +13,12 @@ written by another number of processes is loaded through DeepSpeed's universal c
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import logging
 import os
 import re
-import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -30,9 +27,16 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
 
+from trainrun.checkpoint.deepspeed_dir import (
+    TAG,
+    saved_world_size,
+    universal_copy,
+    weights_only_loads,
+)
+from trainrun.checkpoint.files import fsync_and_hash, save_state_file
+from trainrun.checkpoint.train_state import TRAIN_STATE
 from trainrun.dist import (
     barrier,
-    broadcast_object_list,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -42,25 +46,12 @@ from trainrun.dist import (
     phase,
 )
 from trainrun.dist.device import autocast_dtype
-from trainrun.wrappers.base import (
-    TRAIN_STATE,
-    MakeOptimizer,
-    Optimizers,
-    Strategy,
-    compile_module,
-    fsync_and_hash,
-    load_mapped,
-    load_state_file,
-    refuse_truncated,
-    refusing_unsafe,
-    save_state_file,
-)
+from trainrun.registry import FORMATS
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
 from trainrun.wrappers.memory import ParamSpec, StateBytes
 
 log = logging.getLogger("trainrun")
-
-TAG = "state"  # DeepSpeed's tag: the sub-directory holding its files
 
 
 def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
@@ -166,138 +157,6 @@ def _fsync(files: list[Path]) -> None:
     for file in files:
         with open(file, "rb") as f:
             fsync_and_hash(f, file)
-
-
-def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint directory this strategy wrote."""
-    return any((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
-
-
-_OPTIM_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
-# '.tmp-': the runner removes such entries of the checkpoint directory before its next save,
-# so a universal copy left by a crash while resuming does not stay
-UNIVERSAL_PREFIX = ".tmp-universal-"
-
-
-def saved_world_size(path: str | os.PathLike) -> int | None:
-    """How many processes wrote the DeepSpeed checkpoint at ``path`` (one ZeRO optimiser
-    partition each); None where its optimiser state is not partitioned (ZeRO-0)."""
-    ranks = {int(found.group(1)) for file in (Path(path) / TAG).iterdir()
-             if (found := _OPTIM_PARTITION.search(file.name))}
-    return len(ranks) or None
-
-
-def to_universal(path: str | os.PathLike, output: str | os.PathLike) -> None:
-    """Write DeepSpeed's universal checkpoint of the checkpoint at ``path`` into ``output``:
-    every parameter's weights and optimiser state whole, which an engine on any number of
-    processes loads. DeepSpeed's own converter, run in this process with its reads forced to
-    weights_only and its progress output dropped. Our models declare no tensor or pipeline
-    parallel layout, which ZeRO-1/2's conversion asks for: it is injected as 'none'."""
-    from deepspeed.checkpoint.ds_to_universal import main as convert
-
-    args = argparse.Namespace(input_folder=str(Path(path) / TAG),
-                              output_folder=str(Path(output) / TAG), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-    dropped = io.StringIO()
-    with weights_only_loads(path), contextlib.redirect_stdout(dropped), \
-            contextlib.redirect_stderr(dropped):
-        convert(args)
-
-
-@contextlib.contextmanager
-def universal_copy(path: str | os.PathLike, saved: int) -> Iterator[Path]:
-    """The universal form of the checkpoint at ``path`` (written by ``saved`` processes), made
-    by rank 0 in a temporary directory beside it (where every rank can read, as it reads the
-    checkpoint) and removed on leaving. The checkpoint itself is left as it is. Every rank
-    must enter; a failed conversion raises on every rank."""
-    made: list[Any] = [None, None]  # the directory, and the error converting into it
-    if is_main_process():
-        try:
-            made[0] = tempfile.mkdtemp(prefix=f"{UNIVERSAL_PREFIX}{Path(path).name}-",
-                                       dir=Path(path).parent)
-            to_universal(path, made[0])
-        except Exception as error:
-            made[1] = f"{type(error).__name__}: {error}"
-    broadcast_object_list(made)
-    try:
-        if made[1] is not None:
-            raise RuntimeError(
-                f"resume: {path} was written by {saved} processes and this job has "
-                f"{get_world_size()}; converting it to DeepSpeed's universal checkpoint failed "
-                f"({made[1]}); resume on {saved} processes, or start from its weights only "
-                f"with load_from")
-        yield Path(made[0])
-        barrier()  # every rank has read it
-    finally:
-        if is_main_process() and made[0] is not None:
-            shutil.rmtree(made[0], ignore_errors=True)
-
-
-# What DeepSpeed's checkpoint files hold besides tensors and plain containers (0.16 to 0.19):
-# the only globals `weights_only_loads` lets through.
-DEEPSPEED_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-
-
-@contextlib.contextmanager
-def weights_only_loads(path: str | os.PathLike) -> Any:
-    """Every ``torch.load`` inside the block reads with weights_only, DeepSpeed's own record
-    types (`DEEPSPEED_GLOBALS`) allowed: DeepSpeed reads its files with weights_only=False,
-    which runs whatever a crafted checkpoint holds. torch honours the environment variable
-    even over an explicit weights_only=False."""
-    import importlib
-
-    allowed = []
-    for name in DEEPSPEED_GLOBALS:
-        module, _, attr = name.rpartition(".")
-        with contextlib.suppress(ImportError, AttributeError):
-            allowed.append(getattr(importlib.import_module(module), attr))
-    before = os.environ.get(FORCE_WEIGHTS_ONLY)
-    os.environ[FORCE_WEIGHTS_ONLY] = "1"
-    try:
-        with refusing_unsafe(path), torch.serialization.safe_globals(allowed):
-            yield
-    finally:
-        if before is None:
-            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
-        else:
-            os.environ[FORCE_WEIGHTS_ONLY] = before
-
-
-def deepspeed_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The whole model's fp32 weights, plain keys, from a ZeRO 1-3 checkpoint directory (no
-    process group needed): what ``load_from`` reads into any strategy."""
-    for file in sorted((Path(path) / TAG).glob("*.pt")):
-        refuse_truncated(file)  # where DeepSpeed's reading would say "[Errno 22] ..."
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with weights_only_loads(path):
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
-
-
-def deepspeed_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """The shape of every parameter and buffer of the model in a ZeRO checkpoint directory,
-    read from rank 0's model-states file (memory-mapped: its tensors are not read). ZeRO-3
-    keeps empty placeholders in ``module``; the shapes DeepSpeed records are the whole ones."""
-    files = sorted((Path(path) / TAG).glob("*mp_rank_00_model_states.pt"))
-    with weights_only_loads(path):
-        state = load_mapped(files[0])
-    shapes: dict[str, tuple[int, ...]] = {}
-    for group in [*(state.get("param_shapes") or []), state.get("frozen_param_shapes") or {}]:
-        shapes.update((name, tuple(size)) for name, size in group.items())
-    for name, source in (state.get("shared_params") or {}).items():
-        if source in shapes:
-            shapes[name] = shapes[source]
-    module = state.get("module") or {}
-    shapes.update((name, tuple(module[name].shape)) for name in state.get("buffer_names") or []
-                  if name in module)
-    return shapes
 
 
 def share_fp32_master(zero_optimizer: Any) -> int:
@@ -620,6 +479,7 @@ class DeepSpeedStrategy(Strategy):
     # DeepSpeed's engine by name, so that DeepSpeed is never imported just to ask
     WRAPPERS = (MMDeepSpeedEngineWrapper, "DeepSpeedEngine")
     WRITER_RANK = re.compile(r"zero_pp_rank_(\d+)_")  # each rank's partition files
+    FORMAT = "deepspeed"  # DeepSpeed's own directory (trainrun/checkpoint/deepspeed_dir.py)
     COMPILES = "the model, before deepspeed.initialize (ZeRO stages 0-2)"
     OPTIONS = {
         "zero_stage": None,  # 0 | 1 | 2 | 3
@@ -633,36 +493,6 @@ class DeepSpeedStrategy(Strategy):
         "offload_param": "null, true or false",
         "config": "null or a mapping of DeepSpeed config keys",
     }
-
-    # its checkpoint: DeepSpeed's directory (see the module's functions)
-    @classmethod
-    def owns_checkpoint(cls, path: Path) -> bool:
-        return is_deepspeed_checkpoint(path)
-
-    @classmethod
-    def look_inside(cls, path: Path) -> None:
-        """The runner's train state and rank 0's model states, memory-mapped."""
-        with weights_only_loads(path):
-            for file in [path / TRAIN_STATE, *sorted((path / TAG).glob(
-                    "*mp_rank_00_model_states.pt"))]:
-                load_mapped(file)
-
-    @classmethod
-    def read_state(cls, path: Path) -> dict[str, Any]:
-        raise ValueError(f"{path} is a DeepSpeed checkpoint: strategy 'deepspeed' resumes it; "
-                         f"load_from reads its weights into any strategy")
-
-    @classmethod
-    def read_weights(cls, path: Path) -> dict[str, Tensor]:
-        return deepspeed_weights(path)
-
-    @classmethod
-    def read_train_state(cls, path: Path) -> dict[str, Any]:
-        return load_state_file(str(path / TRAIN_STATE))
-
-    @classmethod
-    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
-        return deepspeed_model_shapes(path)
 
     def __init__(self, **options: Any):
         super().__init__(**options)
@@ -907,7 +737,7 @@ class DeepSpeedStrategy(Strategy):
                 log.info("resume: %s was written by %d processes, this job has %d: loaded "
                          "through DeepSpeed's universal checkpoint (converted beside it, then "
                          "removed)", path, saved, get_world_size())
-        return load_state_file(str(Path(path) / TRAIN_STATE))
+        return FORMATS[self.FORMAT].read_train_state(Path(path))
 
     def _load_engine(self, path: str | os.PathLike, universal: bool = False) -> None:
         """The engine's state from the DeepSpeed directory ``path``; ``universal``: one in

@@ -13,10 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import re
-import tempfile
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -27,20 +24,15 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
 
+from trainrun.checkpoint.dcp import check_metadata, quiet_single_process
+from trainrun.checkpoint.files import save_state_file
+from trainrun.checkpoint.optimizer_state import OPTIMIZER_MISMATCH_HINT, OptimizerMismatch
+from trainrun.checkpoint.train_state import TRAIN_STATE
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
 from trainrun.dist.device import DTYPE_ALIASES, DTYPES
 from trainrun.dist.timeouts import get_timeout
-from trainrun.wrappers.base import (
-    OPTIMIZER_MISMATCH_HINT,
-    TRAIN_STATE,
-    MakeOptimizer,
-    OptimizerMismatch,
-    Optimizers,
-    Strategy,
-    compile_module,
-    load_state_file,
-    save_state_file,
-)
+from trainrun.registry import FORMATS
+from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
 from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
 
@@ -283,120 +275,7 @@ class MMFullyShardedDataParallel(nn.Module):
         return self.module.test_step(data)
 
 
-# ---------------------------------------------------------------- reading checkpoints safely
-
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                 "torch.distributed.checkpoint.filesystem",
-                 "torch.distributed.checkpoint._extension")
-_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
-                 ("builtins", "frozenset"), ("builtins", "slice"), ("torch", "strided"),
-                 ("torch", "contiguous_format"), ("torch", "preserve_format"),
-                 ("torch", "channels_last"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
-                 ("torch._utils", "_rebuild_tensor_v2"),
-                 ("torch.serialization", "_get_layout")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's ``.metadata`` (a pickle) refusing every global but DCP's own records,
-    dtypes and plain containers: what ``weights_only=True`` is to a torch file."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, "
-                                     "which a checkpoint never needs; refusing to load it")
-
-
-def check_metadata(path: str | os.PathLike) -> Any:
-    """Refuse a checkpoint directory whose metadata would run code when unpickled, or whose
-    metadata or shard files were cut short (nothing but their sizes is read); returns the
-    metadata (DCP's record of every saved entry's shape, dtype and place in the shards)."""
-    file = Path(path) / ".metadata"
-    try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except (EOFError, pickle.UnpicklingError) as error:
-        if isinstance(error, EOFError) or "truncated" in str(error):
-            raise ValueError(f"{file} is truncated: its pickle ends early (its write did not "
-                             "finish, or the copy was cut short)") from None
-        raise pickle.UnpicklingError(f"{file}: {error}") from None
-    except (AttributeError, IndexError, KeyError, TypeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{file}: not readable checkpoint metadata (written by something "
-                         f"else, or damaged; {type(error).__name__})") from None
-    _check_shard_sizes(Path(path), metadata)
-    return metadata
-
-
-def _check_shard_sizes(path: Path, metadata: Any) -> None:
-    """Refuse shard files shorter than the bytes the metadata records in them."""
-    ends: dict[str, int] = {}
-    for place in (getattr(metadata, "storage_data", None) or {}).values():
-        ends[place.relative_path] = max(ends.get(place.relative_path, 0),
-                                        place.offset + place.length)
-    for name, end in sorted(ends.items()):
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file} is missing: the checkpoint's metadata records "
-                             f"{end} bytes in it")
-        if file.stat().st_size < end:
-            raise ValueError(f"{file} is truncated: {file.stat().st_size} bytes, the "
-                             f"checkpoint's metadata records {end}")
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint directory this strategy wrote."""
-    return (Path(path) / ".metadata").is_file()
-
-
-def sharded_model_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The whole model's tensors, plain keys, from a sharded checkpoint directory, read in this
-    process alone without the optimiser's state (a third of the memory of reading it all)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = check_metadata(path)
-    model = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(entry, "size"):  # tensors, not pickled bytes
-            model[key.removeprefix("model.")] = torch.empty(entry.size,
-                                                            dtype=entry.properties.dtype)
-    with _quiet_single_process():
-        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
-    return model
-
-
-def sharded_model_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """The shape of every model tensor in a sharded checkpoint directory, plain keys, read
-    from its metadata alone."""
-    metadata = check_metadata(path)
-    return {key.removeprefix("model."): tuple(entry.size)
-            for key, entry in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(entry, "size")}
-
-
-def load_sharded_as_full(path: str | os.PathLike) -> dict[str, Any]:
-    """A sharded checkpoint directory as one plain state (full tensors; the runner's train
-    state merged in), read in this process alone: for ``load_from`` under any strategy."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    check_metadata(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        target = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(str(path), target)
-        state = torch.load(target, map_location="cpu", weights_only=True)
-    train_state = Path(path) / TRAIN_STATE
-    if train_state.is_file():
-        state = {**load_state_file(str(train_state)), **state}
-    return state
-
-
-@contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns on every save and load without a group; in a one-process run that is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
+# ---------------------------------------------------------------- checkpoints
 
 def _sharded_state(module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     """This rank's shards of model and optimiser, keyed by the plain model's names: what DCP
@@ -451,6 +330,7 @@ class FSDPStrategy(Strategy):
     # the note on imports at the top)
     WRAPPERS = (MMFullyShardedDataParallel, "FSDPModule", "FullyShardedDataParallel")
     WRITER_RANK = re.compile(r"^__(\d+)[_.]")  # DCP's shards: __<rank>_<n>.distcp
+    FORMAT = "dcp"  # a torch.distributed.checkpoint directory (trainrun/checkpoint/dcp.py)
     OPTIONS = {
         "sharding": "full",
         "mixed_precision": None,
@@ -467,31 +347,6 @@ class FSDPStrategy(Strategy):
         "activation_checkpointing": "true or false",
         "hybrid_shard_size": "null or an int that divides the world size",
     }
-
-    # its checkpoint: a torch.distributed.checkpoint directory (see the module's functions)
-    @classmethod
-    def owns_checkpoint(cls, path: Path) -> bool:
-        return is_sharded_checkpoint(path)
-
-    @classmethod
-    def look_inside(cls, path: Path) -> None:
-        check_metadata(path)
-
-    @classmethod
-    def read_state(cls, path: Path) -> dict[str, Any]:
-        return load_sharded_as_full(path)
-
-    @classmethod
-    def read_weights(cls, path: Path) -> dict[str, Tensor]:
-        return sharded_model_weights(path)
-
-    @classmethod
-    def read_train_state(cls, path: Path) -> dict[str, Any]:
-        return load_state_file(str(path / TRAIN_STATE))
-
-    @classmethod
-    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
-        return sharded_model_shapes(path)
 
     def __init__(self, **options: Any):
         super().__init__(**options)
@@ -620,7 +475,7 @@ class FSDPStrategy(Strategy):
 
         state = _sharded_state(self.unwrap(model), optimizer)
         _start_directory(path, extra)
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(state, checkpoint_id=path, no_dist=not is_distributed())
         barrier()
 
@@ -635,7 +490,7 @@ class FSDPStrategy(Strategy):
         _start_directory(path, extra)
         if self._save_group is None and is_distributed():
             self._save_group = torch_dist.new_group(backend="gloo", timeout=get_timeout())
-        with _quiet_single_process():
+        with quiet_single_process():
             saving = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group,
                                     no_dist=not is_distributed())
         return getattr(saving, "upload_completion", saving)
@@ -659,7 +514,7 @@ class FSDPStrategy(Strategy):
         module = self.unwrap(model)
         state = _sharded_state(module, optimizer)
         try:
-            with _quiet_single_process():
+            with quiet_single_process():
                 dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
         except dcp.CheckpointException as error:
             if "Missing key in checkpoint state_dict: optimizer." in str(error):
@@ -669,4 +524,4 @@ class FSDPStrategy(Strategy):
         set_state_dict(module, [optimizer] if optimizer is not None else [],
                        model_state_dict=state["model"],
                        optim_state_dict=state.get("optimizer", {}))
-        return load_state_file(str(Path(path) / TRAIN_STATE))
+        return FORMATS[self.FORMAT].read_train_state(Path(path))

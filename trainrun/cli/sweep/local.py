@@ -68,7 +68,7 @@ def wait_point(proc: subprocess.Popen, point: Point, total: int) -> tuple[int, b
 
 def train_point(sweep: Sweep, point: Point) -> tuple[int, bool]:
     """Train one point to its end (or its interruption) and record how it ended."""
-    from trainrun.runner.checkpoint import named_by_last
+    from trainrun.checkpoint.manager import named_by_last
     from trainrun.runner.run_dir import RunDir
 
     total = len(sweep.points)

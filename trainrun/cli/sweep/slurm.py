@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainrun.checkpoint.files import write_atomically
 from trainrun.cli import TRAIN
 from trainrun.cli.sweep.grid import Point, Sweep, SweepError, file_safe, train_args
 from trainrun.cli.sweep.status import (
@@ -30,7 +31,6 @@ from trainrun.cli.sweep.status import (
     write_status,
 )
 from trainrun.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from trainrun.runner.files import write_atomically
 
 JOBS = "slurm_jobs.txt"  # the job arrays the sweep submitted, one line each
 POLL_S = 1.0  # how often --wait asks squeue

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainrun.checkpoint.files import write_atomically
 from trainrun.cli.sweep.grid import Point, Sweep, SweepError
 from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
-from trainrun.runner.files import write_atomically
 
 MANIFEST, STATUS, LOG = "sweep.json", "sweep_status.json", "sweep.log"
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainrun.checkpoint.files import replacing, write_atomically
 from trainrun.cli.metrics import Series, read_run
 from trainrun.cli.sweep.grid import Sweep
 from trainrun.cli.sweep.slurm import active_tasks
 from trainrun.cli.sweep.status import point_state, say
-from trainrun.runner.files import replacing, write_atomically
 
 
 def read_point(work_dir: Path) -> tuple[Series, Series]:

@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainrun.checkpoint.manager import MAX_KEEP
 from trainrun.messages import closest, is_int
-from trainrun.runner.checkpoint import MAX_KEEP
 from trainrun.runner.hooks.base import CHECKPOINT, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.schema import (
@@ -122,7 +122,7 @@ CHECKPOINT = {
 }
 
 
-def check_checkpoint(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
+def check_checkpoint_section(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     """The ``checkpoint`` section (this hook's options and the manager's ``max_keep``), with
     ``best_rule`` filled from the metric's name where ``save_best`` is set."""
     out = fields(key, value, CHECKPOINT)

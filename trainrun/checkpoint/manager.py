@@ -1,7 +1,8 @@
-"""Naming, publishing and pruning checkpoints in ``work_dir/checkpoints``.
+"""Naming, publishing and pruning checkpoints in ``work_dir/checkpoints``, and finding one by
+name (the one ``last`` names, a run directory's newest).
 
 A checkpoint is written by the strategy under a temporary name (one file, or a directory of
-shards), hashed by the ranks that wrote it, given its manifest (`trainrun.runner.manifest`),
+shards), hashed by the ranks that wrote it, given its manifest (`trainrun.checkpoint.manifest`),
 then renamed by rank 0; ``checkpoints/last`` is rewritten after that. A crash at any moment
 therefore leaves the previous checkpoint in charge, and a half-written one is never visible
 under a real name.
@@ -13,35 +14,25 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from trainrun.checkpoint.files import TMP_PREFIX, fsync_dir, write_atomically
+from trainrun.checkpoint.format import is_checkpoint
+from trainrun.checkpoint.manifest import hash_files, is_sidecar, sidecar, write_manifest
 from trainrun.dist import (
     all_reduce,
     at_checkpoint,
     barrier,
-    broadcast_object_list,
     gather_object,
     get_rank,
     is_main_process,
 )
-from trainrun.runner.files import TMP_PREFIX, fsync_dir, write_atomically
-from trainrun.runner.manifest import (
-    DamagedCheckpoint,
-    hash_files,
-    is_sidecar,
-    sidecar,
-    verify_checkpoint,
-    write_manifest,
-)
-from trainrun.wrappers import checkpoint_format  # (the package: every strategy loaded)
-from trainrun.wrappers.base import Optimizers, Strategy
 
 CHECKPOINTS_DIR = "checkpoints"  # where a run directory keeps its checkpoints (and LAST)
 LAST = "last"
@@ -68,8 +59,25 @@ def _periodic_step(name: str) -> tuple[str, int] | None:
     return (found.group(1), int(found.group(2))) if found and not is_sidecar(name) else None
 
 
+class CheckpointWriter(Protocol):
+    """What the manager asks of a strategy (``trainrun.wrappers.Strategy``): to write a
+    checkpoint on every rank, in the foreground or the background, and to name the files of
+    it a rank wrote."""
+
+    def save_checkpoint(self, path: str, model: nn.Module, optimizer: Any,
+                        extra: dict[str, Any]) -> None: ...
+
+    def save_checkpoint_async(self, path: str, model: nn.Module, optimizer: Any,
+                              extra: dict[str, Any]) -> Future: ...
+
+    def own_files(self, path: str | os.PathLike, rank: int) -> list[Path]: ...
+
+
 @dataclass
-class _Pending:
+class _PendingSave:
+    """A background save not yet published: its future (this rank's hashes, once its part
+    is written), where it is written and where it goes."""
+
     future: Future
     tmp: Path
     final: Path
@@ -89,13 +97,13 @@ class CheckpointManager:
     """Saves through ``strategy`` into ``directory``, keeping at most ``max_keep`` periodic
     checkpoints (-1: all); the newest and the best are never pruned."""
 
-    def __init__(self, directory: Path, strategy: Strategy, max_keep: int = MAX_KEEP,
+    def __init__(self, directory: Path, strategy: CheckpointWriter, max_keep: int = MAX_KEEP,
                  suffix: str = ".pth"):
         self.directory = directory
         self.strategy = strategy
         self.max_keep = max_keep
         self.suffix = suffix
-        self._pending: _Pending | None = None  # a background save not yet published
+        self._pending: _PendingSave | None = None  # a background save not yet published
         self.last_saved: Path | None = None  # the newest save asked for (maybe still writing)
 
     def clean_partial(self) -> None:
@@ -108,7 +116,7 @@ class CheckpointManager:
                         is_sidecar(entry.name) and not entry.with_suffix("").exists()):
                     _remove(entry)
 
-    def save(self, name: str, model: nn.Module, optimizer: Optimizers | None,
+    def save(self, name: str, model: nn.Module, optimizer: Any,
              extra: dict[str, Any], update_last: bool = True, background: bool = False,
              step: int = 0) -> Path:
         """Write checkpoint ``name`` (the state after ``step`` steps) on every rank and publish
@@ -129,14 +137,14 @@ class CheckpointManager:
         self.last_saved = final
         if background:
             written = self.strategy.save_checkpoint_async(str(tmp), model, optimizer, extra)
-            self._pending = _Pending(self._hash_when_written(written, tmp, final), tmp, final,
+            self._pending = _PendingSave(self._hash_when_written(written, tmp, final), tmp, final,
                                      update_last, step)
             return final
         self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
-        self._publish(tmp, final, update_last, step, self._own_hashes(tmp, final))
+        self._publish(tmp, final, update_last, step, self._hash_own_files(tmp, final))
         return final
 
-    def _own_hashes(self, tmp: Path, final: Path) -> dict[str, str]:
+    def _hash_own_files(self, tmp: Path, final: Path) -> dict[str, str]:
         """The sha256 of the files of checkpoint ``tmp`` this rank wrote (read back from its
         page cache), by their names in the manifest."""
         return hash_files(self.strategy.own_files(tmp, get_rank()), tmp, final)
@@ -150,7 +158,7 @@ class CheckpointManager:
         def work() -> None:
             try:
                 written.result()
-                hashed.set_result(self._own_hashes(tmp, final))
+                hashed.set_result(self._hash_own_files(tmp, final))
             except BaseException as error:  # noqa: B036 - DCP's errors are BaseExceptions
                 hashed.set_exception(error)
 
@@ -228,14 +236,7 @@ class CheckpointManager:
             _remove_checkpoint(entry)
 
 
-# ---------------------------------------------------------------- choosing a checkpoint
-
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint itself (a file, or a strategy's directory), not a
-    directory holding checkpoints."""
-    path = Path(path)
-    return path.exists() and (not path.is_dir() or checkpoint_format(path) is not Strategy)
-
+# ---------------------------------------------------------------- finding checkpoints by name
 
 def checkpoints_in(path: str | os.PathLike) -> Path | None:
     """The directory whose ``last`` names the newest checkpoint: ``path`` itself, or
@@ -275,82 +276,3 @@ def newest_first(directory: Path) -> list[Path]:
                    if (found := _periodic_step(entry.name)) and found[0] == kind
                    and found[1] < step)
     return [newest, *(entry for _, entry in reversed(older))]
-
-
-def newest_intact(directory: Path, skipped: Callable[[DamagedCheckpoint], None]
-                  ) -> tuple[Path, bool] | None:
-    """The newest checkpoint in ``directory`` that is not damaged (see `newest_first`), and
-    whether it was verified (False: it has no manifest); ``skipped`` is told of each damaged
-    one passed over. None: ``directory`` has no checkpoint. Every rank must call this (the
-    verification is shared); all get the same answer. Raises ValueError if every checkpoint
-    is damaged."""
-    found = [None]
-    if is_main_process():
-        found[0] = [str(path) for path in newest_first(directory)]
-    broadcast_object_list(found)
-    damaged = []
-    for candidate in map(Path, found[0]):
-        try:
-            return candidate, verify_checkpoint(candidate)
-        except DamagedCheckpoint as error:
-            skipped(error)
-            damaged.append(str(error))
-    if damaged:
-        raise ValueError(f"no intact checkpoint in {directory}: {'; '.join(damaged)}")
-    return None
-
-
-# ---------------------------------------------------------------- weights of any checkpoint
-
-def check_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint ``path`` names (see `resolve_checkpoint`), after a cheap look that it
-    is one and holds only tensors and plain containers: the file itself (memory-mapped, so
-    its tensors are not read), a sharded checkpoint's metadata, or a DeepSpeed checkpoint's
-    train state and model files. What it does not read is read with weights_only on loading,
-    and its hashes are verified by the runner. Raises FileNotFoundError, ValueError or
-    pickle.UnpicklingError, each with one line; DamagedCheckpoint (a ValueError) where the
-    look fails on a file that does not match the checkpoint's manifest."""
-    path = resolve_checkpoint(path)
-    try:
-        _look_inside(path)
-    except Exception:
-        verify_checkpoint(path, alone=True)  # damage, where the manifest shows it, says more
-        raise
-    return path
-
-
-def _look_inside(path: Path) -> None:
-    checkpoint_format(path).look_inside(path)
-
-
-def model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of the model's state in the checkpoint ``path``, plain keys,
-    from what its format records about them (the tensors themselves are not read)."""
-    return checkpoint_format(path).model_shapes(path)
-
-
-def model_mismatch(model: dict[str, tuple[int, ...]],
-                   checkpoint: dict[str, tuple[int, ...]]) -> str | None:
-    """The first tensor of ``model`` (name -> shape) that the checkpoint's do not fit, said in
-    words, or None when every one fits."""
-    for key, shape in model.items():
-        if key not in checkpoint:
-            return f"the model's {key} is not in it"
-        if checkpoint[key] != shape:
-            return (f"{key} has shape {list(checkpoint[key])} there, the model's "
-                    f"{list(shape)}")
-    return None
-
-
-def read_train_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The runner's own state in a checkpoint of any strategy (position, RNG states, the
-    hooks' states), read in this process with no group."""
-    path = resolve_checkpoint(path)
-    return checkpoint_format(path).read_train_state(path)
-
-
-def read_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """The model's whole state, plain keys, from a checkpoint of any strategy (a file, a
-    sharded directory or a DeepSpeed directory), read in this process with no group."""
-    path = resolve_checkpoint(path)
-    return checkpoint_format(path).read_weights(path)

@@ -14,18 +14,19 @@ import torch
 
 from tests.runner.toy import ToyModel, flip_byte
 from tests.runs import shared_run
-from trainrun.dist import get_rank
-from trainrun.runner import manifest
-from trainrun.runner.checkpoint import CheckpointManager, check_checkpoint
-from trainrun.runner.manifest import (
+from trainrun.checkpoint import manifest
+from trainrun.checkpoint.files import save_state_file, sha256_of, written_sha256
+from trainrun.checkpoint.manager import CheckpointManager
+from trainrun.checkpoint.manifest import (
     DamagedCheckpoint,
     manifest_of,
     read_manifest,
     sidecar,
     verify_checkpoint,
 )
+from trainrun.checkpoint.read import check_checkpoint_file
+from trainrun.dist import get_rank
 from trainrun.wrappers import STRATEGIES
-from trainrun.wrappers.base import save_state_file, sha256_of, written_sha256
 
 # (strategy, its options, saved in the background); the files each must list at least
 SAVES = {
@@ -129,7 +130,7 @@ def test_one_flipped_byte_in_any_file_is_named(saved, tmp_path):
             expected = "the manifest itself" if name == names[-1] else "sha256 mismatch"
             assert caught.value.why.startswith(expected), caught.value.why
             try:
-                check_checkpoint(copy)
+                check_checkpoint_file(copy)
             except DamagedCheckpoint as error:
                 assert error.file == name
 

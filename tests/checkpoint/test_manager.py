@@ -23,14 +23,14 @@ from tests.runner.toy import (
     rehash,
     write_crafted_checkpoint,
 )
-from trainrun.runner import checkpoint as checkpoint_module
-from trainrun.runner import manifest
-from trainrun.runner.checkpoint import CheckpointManager, newest_first
+from trainrun.checkpoint import manager as manager_module
+from trainrun.checkpoint import manifest
+from trainrun.checkpoint.format import load_state_file
+from trainrun.checkpoint.manager import CheckpointManager, newest_first
+from trainrun.checkpoint.manifest import verify_checkpoint
 from trainrun.runner.config import ConfigError
-from trainrun.runner.manifest import verify_checkpoint
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
-from trainrun.wrappers.base import load_state_file
 
 CPU = torch.device("cpu")
 
@@ -81,7 +81,7 @@ def test_save_writes_under_a_temporary_name_then_publishes(tmp_path, monkeypatch
         real_replace(src, dst)
 
     monkeypatch.setattr(manager.strategy, "save_checkpoint", spy_save)
-    monkeypatch.setattr(checkpoint_module.os, "replace", spy_replace)
+    monkeypatch.setattr(manager_module.os, "replace", spy_replace)
     path = manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
     assert path == manager.directory / "iter_1.pth"
     assert written == [".tmp-iter_1.pth"]
@@ -179,7 +179,7 @@ def test_a_crash_while_publishing_a_resave_keeps_the_old_file(tmp_path, monkeypa
     def killed_replace(src, dst):
         raise Killed("killed while renaming")
 
-    monkeypatch.setattr(checkpoint_module.os, "replace", killed_replace)
+    monkeypatch.setattr(manager_module.os, "replace", killed_replace)
     with pytest.raises(Killed):
         manager.save("iter_4", model, optimizer, {"meta": {"iter": 4, "copy": 2}})
     monkeypatch.undo()
@@ -200,7 +200,7 @@ def test_a_crash_between_the_manifest_and_its_checkpoint_leaves_no_orphan(tmp_pa
             raise Killed("killed while renaming")
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint_module.os, "replace", killed_at_the_checkpoint)
+    monkeypatch.setattr(manager_module.os, "replace", killed_at_the_checkpoint)
     with pytest.raises(Killed):
         manager.save("iter_1", model, optimizer, {})
     monkeypatch.undo()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainrun.checkpoint.files import TMP_PREFIX, replacing, write_atomically
 from trainrun.cli import export as export_tool
 from trainrun.cli.sweep.summary import plot_bars
-from trainrun.runner.files import TMP_PREFIX, replacing, write_atomically
 
 
 def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -15,9 +15,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from trainrun.checkpoint.files import sha256_of, write_atomically, written_sha256
 from trainrun.dist import all_gather_object, broadcast_object_list, get_dist_info
-from trainrun.runner.files import write_atomically
-from trainrun.wrappers.base import sha256_of, written_sha256
 
 MANIFEST = "SHA256SUMS"  # inside a checkpoint directory
 SIDECAR = ".sha256"  # beside a one-file checkpoint: its name plus this

@@ -1,0 +1,152 @@
+"""The checkpoint format 'dcp': a directory written with ``torch.distributed.checkpoint``.
+
+What strategy 'fsdp' writes: every rank's shard of model and optimiser (``__<rank>_<n>.distcp``
+files and DCP's ``.metadata``, a pickle recording every entry's shape, dtype and place in the
+shards), plus rank 0's train state in ``train_state.pt``. It is read here in one process with
+no group: the metadata through an unpickler that refuses everything but DCP's own records, and
+the model's tensors without the optimiser's. ``torch.distributed.checkpoint`` is imported where
+it is used: it costs start-up time that runs under other strategies would pay.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainrun.checkpoint.format import CheckpointFormat
+from trainrun.checkpoint.safe_load import load_torch_file
+from trainrun.checkpoint.train_state import TRAIN_STATE
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                 "torch.distributed.checkpoint.filesystem",
+                 "torch.distributed.checkpoint._extension")
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+                 ("builtins", "frozenset"), ("builtins", "slice"), ("torch", "strided"),
+                 ("torch", "contiguous_format"), ("torch", "preserve_format"),
+                 ("torch", "channels_last"), ("pathlib", "PosixPath"), ("pathlib", "Path"),
+                 ("torch._utils", "_rebuild_tensor_v2"),
+                 ("torch.serialization", "_get_layout")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` (a pickle) refusing every global but DCP's own records,
+    dtypes and plain containers: what ``weights_only=True`` is to a torch file."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, "
+                                     "which a checkpoint never needs; refusing to load it")
+
+
+def check_metadata(path: str | os.PathLike) -> Any:
+    """Refuse a checkpoint directory whose metadata would run code when unpickled, or whose
+    metadata or shard files were cut short (nothing but their sizes is read); returns the
+    metadata (DCP's record of every saved entry's shape, dtype and place in the shards)."""
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (EOFError, pickle.UnpicklingError) as error:
+        if isinstance(error, EOFError) or "truncated" in str(error):
+            raise ValueError(f"{file} is truncated: its pickle ends early (its write did not "
+                             "finish, or the copy was cut short)") from None
+        raise pickle.UnpicklingError(f"{file}: {error}") from None
+    except (AttributeError, IndexError, KeyError, TypeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file}: not readable checkpoint metadata (written by something "
+                         f"else, or damaged; {type(error).__name__})") from None
+    _check_shard_sizes(Path(path), metadata)
+    return metadata
+
+
+def _check_shard_sizes(path: Path, metadata: Any) -> None:
+    """Refuse shard files shorter than the bytes the metadata records in them."""
+    ends: dict[str, int] = {}
+    for place in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[place.relative_path] = max(ends.get(place.relative_path, 0),
+                                        place.offset + place.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing: the checkpoint's metadata records "
+                             f"{end} bytes in it")
+        if file.stat().st_size < end:
+            raise ValueError(f"{file} is truncated: {file.stat().st_size} bytes, the "
+                             f"checkpoint's metadata records {end}")
+
+
+@contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns on every save and load without a group; in a one-process run that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class DCPDirectory(CheckpointFormat):
+    """A ``torch.distributed.checkpoint`` directory (strategy 'fsdp'): every rank's shards,
+    DCP's metadata, and the runner's train state in ``train_state.pt``."""
+
+    name = "dcp"
+
+    @classmethod
+    def owns(cls, path: Path) -> bool:
+        return (path / ".metadata").is_file()
+
+    @classmethod
+    def look_inside(cls, path: Path) -> None:
+        check_metadata(path)
+
+    @classmethod
+    def read_state(cls, path: Path) -> dict[str, Any]:
+        """The directory as one plain state (full tensors; the runner's train state merged
+        in), read in this process alone: for ``load_from`` under any strategy."""
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        check_metadata(path)
+        with tempfile.TemporaryDirectory() as tmp:
+            target = os.path.join(tmp, "full.pt")
+            dcp_to_torch_save(str(path), target)
+            state = torch.load(target, map_location="cpu", weights_only=True)
+        train_state = Path(path) / TRAIN_STATE
+        if train_state.is_file():
+            state = {**load_torch_file(train_state), **state}
+        return state
+
+    @classmethod
+    def read_weights(cls, path: Path) -> dict[str, Tensor]:
+        """The whole model's tensors, plain keys, read in this process alone without the
+        optimiser's state (a third of the memory of reading it all)."""
+        import torch.distributed.checkpoint as dcp
+
+        metadata = check_metadata(path)
+        model = {}
+        for key, entry in metadata.state_dict_metadata.items():
+            if key.startswith("model.") and hasattr(entry, "size"):  # tensors, not pickled bytes
+                model[key.removeprefix("model.")] = torch.empty(entry.size,
+                                                                dtype=entry.properties.dtype)
+        with quiet_single_process():
+            dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+        return model
+
+    @classmethod
+    def read_train_state(cls, path: Path) -> dict[str, Any]:
+        return load_torch_file(path / TRAIN_STATE)
+
+    @classmethod
+    def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
+        """Read from the metadata alone."""
+        metadata = check_metadata(path)
+        return {key.removeprefix("model."): tuple(entry.size)
+                for key, entry in metadata.state_dict_metadata.items()
+                if key.startswith("model.") and hasattr(entry, "size")}

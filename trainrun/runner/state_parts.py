@@ -1,0 +1,116 @@
+"""The runner's stateful parts, as a checkpoint's train state holds them.
+
+`train_state` lists them for ``trainrun.checkpoint.train_state.TrainState``: the position,
+the optimiser wrapper, the schedulers, the sampler, a stream, the hooks and the RNG states,
+each with how its state is taken on this rank and how it is put back on resuming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from trainrun.checkpoint.train_state import HookStates, StatePart, TrainState
+from trainrun.runner.sampler import ResumableSampler
+from trainrun.runner.seed import rng_state, set_rng_state
+from trainrun.runner.stream import is_stream
+
+if TYPE_CHECKING:
+    from trainrun.runner.runner import Runner
+
+
+def train_state(runner: Runner) -> TrainState:
+    """The train state of ``runner``: everything but model and optimiser that an exact resume
+    needs, from its stateful parts in the order a resume puts them back (the RNG states last,
+    so that nothing put back before them draws from them). Rank 0's copy holds every rank's
+    RNG states and optimiser-wrapper states (the latter carry each rank's own accumulated
+    gradients between steps), which its ``state_dict`` gathers: every rank must call that.
+
+    Args:
+        runner: the runner, built.
+
+    Returns:
+        Its train state (``state_dict`` to save it, ``load_state_dict`` to resume it).
+    """
+    parts = _RunnerParts(runner)
+    loader = runner.train_dataloader
+    listed = [StatePart("meta", parts.position, parts.load_position),
+              StatePart("optim_wrapper", runner.optim_wrapper.state_dict,
+                        parts.load_optim_wrapper, every_rank=True),
+              StatePart("schedulers", parts.schedulers, parts.load_schedulers),
+              StatePart("sampler", parts.sampler, parts.load_sampler)]
+    if is_stream(loader):  # its place: every rank's (each reads its own share)
+        listed.append(StatePart("stream", loader.state_dict, parts.load_stream,
+                                every_rank=True))
+    listed.append(HookStates(runner.hooks, runner.rank, runner.world_size).part())
+    listed.append(StatePart("rng", rng_state, parts.load_rng_states, every_rank=True))
+    return TrainState(listed)
+
+
+class _RunnerParts:
+    """How each of the runner's own parts is saved and put back."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def position(self) -> dict[str, Any]:
+        runner = self.runner
+        return {"epoch": runner.epoch, "iter": runner.iter, "seed": runner.seed,
+                "world_size": runner.world_size, "strategy": runner.strategy.name}
+
+    def load_position(self, meta: Mapping[str, Any]) -> None:
+        self.runner.epoch, self.runner.iter, self.runner.seed = \
+            meta["epoch"], meta["iter"], meta["seed"]
+
+    def load_optim_wrapper(self, states: Any) -> None:
+        """This rank's optimiser-wrapper state (rank 0's where another number of ranks saved
+        them; an older checkpoint holds one state for every rank)."""
+        runner = self.runner
+        if isinstance(states, Mapping):
+            states = [states]
+        runner.optim_wrapper.load_state_dict(states[runner.rank] if len(states)
+                                             == runner.world_size else states[0])
+
+    def schedulers(self) -> list[Any]:
+        return [scheduler.state_dict() for scheduler in self.runner.schedulers]
+
+    def load_schedulers(self, states: list[Any]) -> None:
+        for scheduler, saved in zip(self.runner.schedulers, states, strict=True):
+            scheduler.load_state_dict(saved)
+
+    def sampler(self) -> dict[str, Any] | None:
+        sampler = self.runner.train_dataloader.sampler
+        return sampler.state_dict() if isinstance(sampler, ResumableSampler) else None
+
+    def load_sampler(self, state: dict[str, Any] | None) -> None:
+        sampler = self.runner.train_dataloader.sampler
+        if isinstance(sampler, ResumableSampler) and state:
+            sampler.load_state_dict(state)
+            # the epoch being trained goes on from the cursor, even one at the epoch's end (a
+            # checkpoint after its last step): that epoch is then finished, not started again
+            self.runner.train_loop.resume_mid_epoch = sampler.epoch == self.runner.epoch
+
+    def load_stream(self, streams: list[Any] | None) -> None:
+        """Put a stream back where this rank's share of it stopped. Saved by another number of
+        ranks, the shares differ: the stream starts again, said in a warning."""
+        runner = self.runner
+        loader = runner.train_dataloader
+        if not is_stream(loader) or streams is None:
+            return
+        if len(streams) == runner.world_size:
+            loader.load_state_dict(streams[runner.rank])
+        elif runner.rank == 0:
+            runner.logger.warning("data.train: the checkpoint was written by %d ranks, this "
+                                  "job has %d: each rank's share of the stream differs, so the "
+                                  "stream starts again from its beginning", len(streams),
+                                  runner.world_size)
+
+    def load_rng_states(self, rngs: list[Any]) -> None:
+        """This rank's RNG states, where the world size is the one that saved them."""
+        runner = self.runner
+        if len(rngs) == runner.world_size:
+            set_rng_state(rngs[runner.rank])
+        else:
+            runner.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
+                                  "random streams restart, so losses will not match exactly",
+                                  len(rngs), runner.world_size)
