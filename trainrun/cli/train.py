@@ -355,7 +355,7 @@ def _rank(cfg: DictConfig | None) -> int:
     return env_rank(launcher if launcher != "none" else infer_launcher())
 
 
-def _say(message: str) -> None:
+def _print_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -367,14 +367,14 @@ def _usage_error(error: ConfigError) -> int:
     """Say ``error`` in one line (and leave it for an ``--nproc`` starter); exit code 2."""
     line = _error_line(error)
     leave_report(EXIT_USAGE, line)
-    _say(line)
+    _print_to_stderr(line)
     return EXIT_USAGE
 
 
 def _report_warnings(job: Job) -> None:
     if _rank(job.cfg) == 0:
         for warning in job.warnings:
-            _say(f"warning: {warning}")
+            _print_to_stderr(f"warning: {warning}")
 
 
 def _step(error: BaseException, runner: Any) -> int | None:
@@ -426,7 +426,7 @@ def _end(ending: Ending, error: BaseException, runner: Any) -> int:
             getattr(runner, "failed_at_step", None) is None:
         traceback.print_exception(error, file=sys.stderr)
     if ending.line and not ending.said:
-        _say(ending.line)
+        _print_to_stderr(ending.line)
     return ending.code
 
 
@@ -466,7 +466,7 @@ def dry_run(job: Job) -> int:
         except ConfigError as error:
             return _usage_error(error)
         for warning in plan.warnings:
-            _say(f"warning: {warning}")
+            _print_to_stderr(f"warning: {warning}")
         print(describe_plan(job.cfg, world_size=job.world_size, dataset_length=plan.length,
                             param_groups=plan.groups, memory=plan.memory))
         if plan.why:

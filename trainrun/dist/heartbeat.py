@@ -229,7 +229,7 @@ def describe(beats: dict[int, Beat | None], now: float, silent_after: float,
 
 # ---------------------------------------------------------------- the heartbeat
 
-def brief(error: BaseException) -> str:
+def error_sentence(error: BaseException) -> str:
     """An error's first sentence, without the source location backends put first
     ('[.../pair.cc:537] Read error ...: Connection timed out. This is typically ...')."""
     line = re.sub(r"^\[[^\]]*:\d+\]\s*", "", one_line(error))

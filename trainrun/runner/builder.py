@@ -25,15 +25,15 @@ from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.sample_seeds import SeededSamples
 from trainrun.runner.sampler import ResumableSampler, batches_per_epoch
 from trainrun.runner.schema import (
-    BOOL,
     OPTIONAL,
     REQUIRED,
-    TEXT,
     Check,
     ConfigError,
     Fields,
     bad_value,
     call_mismatch,
+    check_bool,
+    check_text,
     expects,
     fields,
     integer,
@@ -290,9 +290,10 @@ def check_batches(key: str, dataset_length: int, world_size: int, batch_size: in
 
 # ---------------------------------------------------------------- the model and data sections
 
-TYPE_NAME = rule("a non-empty string (a registered name or a dotted import path)",
-                 lambda v: isinstance(v, str) and v.strip() != "")
-MODEL = expects("a mapping with a 'type'", section({"type": (REQUIRED, TYPE_NAME)}, open_=True))
+check_type_name = rule("a non-empty string (a registered name or a dotted import path)",
+                       lambda v: isinstance(v, str) and v.strip() != "")
+check_model_section = expects("a mapping with a 'type'",
+                              section({"type": (REQUIRED, check_type_name)}, open_=True))
 COLLATE_EXPECTED = ("a function's registered name or import path, or a mapping with its "
                     "'type' and options")
 
@@ -300,34 +301,34 @@ COLLATE_EXPECTED = ("a function's registered name or import path, or a mapping w
 def check_collate(key: str, value: Any) -> str | dict[str, Any]:
     """A ``collate_fn`` value's shape (`collate_function` imports and binds it)."""
     if isinstance(value, Mapping):
-        return fields(key, value, {"type": (REQUIRED, TYPE_NAME)}, open_=True)
-    return TYPE_NAME(key, value)
+        return fields(key, value, {"type": (REQUIRED, check_type_name)}, open_=True)
+    return check_type_name(key, value)
 
 
-COLLATE = expects(COLLATE_EXPECTED, check_collate)
+check_collate_fn = expects(COLLATE_EXPECTED, check_collate)
 
 
 def loader_table(split: str) -> Fields:
     table: Fields = {
-        "type": (REQUIRED, TYPE_NAME,
+        "type": (REQUIRED, check_type_name,
                  "the data set's class: a built-in name (digits, char_corpus, char_lines, "
                  "gaussian_mixture) or my_module.MyDataset"),
         "batch_size": (DEFAULT_BATCH_SIZE, integer(1), "samples per batch, on each rank"),
         "num_workers": (0, integer(0),
                         "DataLoader worker processes (0: load in the training process)"),
-        "shuffle": (split == "train", BOOL,
+        "shuffle": (split == "train", check_bool,
                     "a new order every epoch, the same on every rank (from the run's seed)"),
-        "drop_last": (False, BOOL, "drop each epoch's last, smaller batch (training only)"),
-        "pin_memory": (False, BOOL, "page-locked batches, for faster copies to a GPU"),
-        "persistent_workers": (False, BOOL,
+        "drop_last": (False, check_bool, "drop each epoch's last, smaller batch (training only)"),
+        "pin_memory": (False, check_bool, "page-locked batches, for faster copies to a GPU"),
+        "persistent_workers": (False, check_bool,
                                "keep the workers alive between epochs (needs num_workers > 0)"),
         # absent unless given: the configs of runs made before it say the same when resumed
-        "collate_fn": (OPTIONAL, nullable(COLLATE),
+        "collate_fn": (OPTIONAL, nullable(check_collate_fn),
                        "how samples become a batch: default, pad_sequences, a function by "
                        "import path, or {type: ..., options} (default: torch's collate)"),
     }
     if split != "train":
-        table["metrics"] = (None, nullable(names(TEXT)),
+        table["metrics"] = (None, nullable(names(check_text)),
                             "what to score: accuracy, mean, val_loss, mode_distance or a metric "
                             "by import path (default: the data set's DEFAULT_METRICS)")
     return table

@@ -27,7 +27,7 @@ from trainrun.dist.timeouts import DEFAULT_TIMEOUT
 from trainrun.messages import first_line, show
 from trainrun.registry import STRATEGIES
 from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
-from trainrun.runner.builder import LOADER_OPTIONS, MODEL, check_data
+from trainrun.runner.builder import LOADER_OPTIONS, check_data, check_model_section
 from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint_section
 from trainrun.runner.hooks.from_config import check_hooks
 from trainrun.runner.hooks.logger import check_logging
@@ -36,14 +36,14 @@ from trainrun.runner.loops import check_schedule
 from trainrun.runner.optim.schedulers import check_scheduler, check_total_iters
 from trainrun.runner.optim.section import check_optim_section
 from trainrun.runner.optim.wrapper import PRECISIONS
-from trainrun.runner.preemption import PREEMPTION
+from trainrun.runner.preemption import check_preemption
 from trainrun.runner.schema import (
-    BOOL,
     REQUIRED,
-    TEXT,
     ConfigError,
     Fields,
     bad_value,
+    check_bool,
+    check_text,
     choice,
     existing_path,
     expects,
@@ -53,7 +53,7 @@ from trainrun.runner.schema import (
     number,
     unknown_key,
 )
-from trainrun.runner.seed import RANDOMNESS
+from trainrun.runner.seed import check_randomness
 from trainrun.wrappers.base import COMPILE_BACKENDS, COMPILE_DEFAULTS, COMPILE_MODES
 
 log = logging.getLogger("trainrun")
@@ -97,9 +97,9 @@ COMPILE: Fields = {
                 "torch.compile's backend: inductor generates code; aot_eager and eager only "
                 "check that the model compiles"),
     "mode": (COMPILE_DEFAULTS["mode"], choice(*COMPILE_MODES), "inductor's mode"),
-    "fullgraph": (COMPILE_DEFAULTS["fullgraph"], BOOL,
+    "fullgraph": (COMPILE_DEFAULTS["fullgraph"], check_bool,
                   "a graph break is an error instead of two graphs"),
-    "dynamic": (COMPILE_DEFAULTS["dynamic"], nullable(BOOL),
+    "dynamic": (COMPILE_DEFAULTS["dynamic"], nullable(check_bool),
                 "dynamic shapes: null lets torch decide (dynamic after a shape changes)"),
 }
 
@@ -126,9 +126,9 @@ check_compile.expected = "false, true or a mapping"  # type: ignore[attr-defined
 def top_level(mode: str, warnings: list[str]) -> Fields:
     """The table of the whole config (``work_dir``'s default is filled from ``name``)."""
     return {
-        "name": (REQUIRED, TEXT,
+        "name": (REQUIRED, check_text,
                  "the run's name (default: the config file's name without .yaml)"),
-        "work_dir": (None, nullable(TEXT),
+        "work_dir": (None, nullable(check_text),
                      "the run directory (default: work_dirs/<name>); --work-dir wins"),
         "launcher": ("none", choice(*LAUNCHERS),
                      "how the processes were started: none (one plain process), pytorch "
@@ -141,7 +141,7 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
         "strategy": (None, expects("a strategy's name, or a mapping with its type and options",
                                    partial(check_strategy, warnings=warnings)),
                      "how the model is spread over the ranks (see strategy below)"),
-        "model": (REQUIRED, MODEL, "the model: its type and arguments"),
+        "model": (REQUIRED, check_model_section, "the model: its type and arguments"),
         "data": (REQUIRED, expects("a mapping of train, val and test sections",
                                    partial(check_data, mode=mode, warnings=warnings)),
                  "the train, val and test data sections"),
@@ -157,13 +157,13 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
                     "torch.compile the model: false, true, or its options (see compile below)"),
         "schedule": (None, expects("a mapping", check_schedule),
                      "how long to train and how often to validate"),
-        "randomness": (None, RANDOMNESS, "seeds and determinism"),
+        "randomness": (None, check_randomness, "seeds and determinism"),
         "logging": (None, expects("a mapping", partial(check_logging, warnings=warnings)),
                     "what is logged, how often and where"),
         "checkpoint": (None, expects("a mapping",
                                      partial(check_checkpoint_section, warnings=warnings)),
                        "when checkpoints are written and how many are kept"),
-        "preemption": (None, PREEMPTION, "which signals stop training with a checkpoint"),
+        "preemption": (None, check_preemption, "which signals stop training with a checkpoint"),
         "hooks": ([], expects("a list of mappings", partial(check_hooks, warnings=warnings)),
                   "more hooks: a list of {type: ..., options}"),
         "resume": (False, check_resume,

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from trainrun.dist import PeerFailure, is_comm_error
-from trainrun.dist.heartbeat import Heartbeat, brief
+from trainrun.dist.heartbeat import Heartbeat, error_sentence
 from trainrun.runner.preemption import Preempted
 
 if TYPE_CHECKING:
@@ -84,6 +84,6 @@ def tell_peers(error: Exception, heartbeat: Heartbeat | None) -> None:
         why = PeerFailure(heartbeat.explain())
     except Exception as store_error:  # the store's host (rank 0 or the launcher) is gone
         why = PeerFailure(heartbeat.lost_contact(
-            f"lost contact with the other ranks ({brief(error)}) and with the job's store "
-            f"at {heartbeat.address} ({brief(store_error)})"), said=False)
+            f"lost contact with the other ranks ({error_sentence(error)}) and with the job's store "
+            f"at {heartbeat.address} ({error_sentence(store_error)})"), said=False)
     raise why from error

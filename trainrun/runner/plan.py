@@ -91,7 +91,7 @@ def plan_param_groups(cfg: Mapping[str, Any], model: nn.Module | Exception | Non
     warnings: list[str] = []
     model = build_meta_model(cfg) if model is None else model
     if isinstance(model, Exception):
-        return _unlisted(model), []
+        return _groups_not_listed(model), []
     try:
         with torch.device("meta"):
             optimizers = optimizer_factory(optim, warnings.append, lines.extend)(model)
@@ -103,9 +103,9 @@ def plan_param_groups(cfg: Mapping[str, Any], model: nn.Module | Exception | Non
     except ValueError as error:
         if str(error).startswith("scheduler."):  # a min_lr above a group's rate
             raise ConfigError(str(error)) from None
-        return _unlisted(error), []
+        return _groups_not_listed(error), []
     except Exception as error:  # a plan reports what it cannot know, it does not fail
-        return _unlisted(error), []
+        return _groups_not_listed(error), []
     return lines, warnings
 
 
@@ -119,7 +119,7 @@ def plan_memory(cfg: Mapping[str, Any], world_size: int,
     if isinstance(model, Exception):
         return (f"not planned: the model cannot be built on the meta device "
                 f"({type(model).__name__}: {first_line(model)})")
-    specs = param_specs(model, _states_of(cfg["optim"]))
+    specs = param_specs(model, _state_tensors_per_param(cfg["optim"]))
     try:
         plan = STRATEGIES[cfg["strategy"]["type"]].memory_plan(specs, world_size, cfg, model)
     except ValueError as error:  # an option the model refuses (fsdp's wrap classes)
@@ -132,7 +132,7 @@ def plan_memory(cfg: Mapping[str, Any], world_size: int,
     return plan
 
 
-def _states_of(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
+def _state_tensors_per_param(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
     """The optimiser state tensors of a parameter, by its name (``state_tensors`` of the
     optimiser holding it; 0 where none does)."""
     common = {k: v for k, v in optim.items() if k not in WRAPPER_KEYS and v is not None}
@@ -149,7 +149,7 @@ def _states_of(optim: Mapping[str, Any]) -> Callable[[str], int | None]:
     return states
 
 
-def _unlisted(error: Exception) -> str:
+def _groups_not_listed(error: Exception) -> str:
     return (f"not listed here: the model cannot be built on the meta device "
             f"({type(error).__name__}: {first_line(error)}); the run's log lists them")
 

@@ -177,4 +177,4 @@ PREEMPTION_KEYS = {
                 "the signals that stop training at the next step with a checkpoint and exit "
                 "75 (SLURM: requeued); SIGKILL and SIGSTOP cannot be caught"),
 }
-PREEMPTION = section(PREEMPTION_KEYS)
+check_preemption = section(PREEMPTION_KEYS)

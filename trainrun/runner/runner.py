@@ -51,9 +51,9 @@ from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import attach_log_file, log_restart, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
 from trainrun.runner.parts import PartBuilder, runner_arguments
-from trainrun.runner.preemption import PREEMPTION, StopRequest, stop_signals
+from trainrun.runner.preemption import StopRequest, check_preemption, stop_signals
 from trainrun.runner.run_dir import RunDir
-from trainrun.runner.seed import RANDOMNESS, set_random_seed
+from trainrun.runner.seed import check_randomness, set_random_seed
 from trainrun.runner.state_parts import train_state
 from trainrun.runner.stream import is_stream
 from trainrun.wrappers import Strategy
@@ -208,9 +208,9 @@ class Runner:
             self.rank, self.world_size = get_dist_info()
             self.device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
-            self.seed = set_random_seed(**RANDOMNESS("randomness", randomness))
+            self.seed = set_random_seed(**check_randomness("randomness", randomness))
             self.resume_from = resume
-            self.stop_signals = PREEMPTION("preemption", preemption)["signals"]
+            self.stop_signals = check_preemption("preemption", preemption)["signals"]
             self.load_from = load_from
             self.run_dir = work_dir if isinstance(work_dir, RunDir) else RunDir(work_dir)
             self.work_dir = self.run_dir.path

@@ -105,8 +105,8 @@ def number(*, above: float | None = None, at_least: float | None = None) -> Chec
     return rule(f"a number >= {at_least:g}", lambda v: is_number(v) and v >= at_least)
 
 
-BOOL = rule("true or false", lambda v: isinstance(v, bool))
-TEXT = rule("a non-empty string", lambda v: isinstance(v, str) and v.strip() != "")
+check_bool = rule("true or false", lambda v: isinstance(v, bool))
+check_text = rule("a non-empty string", lambda v: isinstance(v, str) and v.strip() != "")
 
 
 def choice(*options: str) -> Check:

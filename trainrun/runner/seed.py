@@ -14,20 +14,20 @@ import numpy as np
 import torch
 
 from trainrun.dist import get_rank, sync_random_seed
-from trainrun.runner.schema import BOOL, integer, nullable, section
+from trainrun.runner.schema import check_bool, integer, nullable, section
 
 SEED_LIMIT = 2**31
 RANDOMNESS_KEYS = {
     "seed": (42, nullable(integer(0, SEED_LIMIT)),
              "rank 0's seed, sent to every rank (null: a fresh random one each run)"),
-    "deterministic": (False, BOOL,
+    "deterministic": (False, check_bool,
                       "deterministic algorithms only (torch.use_deterministic_algorithms, "
                       "cuDNN's deterministic mode): slower, the same results run after run "
                       "on a GPU"),
-    "diff_rank_seed": (False, BOOL,
+    "diff_rank_seed": (False, check_bool,
                        "each rank seeds with seed + its rank (the data order stays shared)"),
 }
-RANDOMNESS = section(RANDOMNESS_KEYS)
+check_randomness = section(RANDOMNESS_KEYS)
 
 
 def set_random_seed(seed: int | None, deterministic: bool = False,

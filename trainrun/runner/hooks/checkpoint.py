@@ -12,9 +12,9 @@ from trainrun.messages import closest, is_int
 from trainrun.runner.hooks.base import CHECKPOINT, Hook, every
 from trainrun.runner.logging import get_logger
 from trainrun.runner.schema import (
-    BOOL,
-    TEXT,
     ConfigError,
+    check_bool,
+    check_text,
     choice,
     fields,
     integer,
@@ -109,14 +109,14 @@ CHECKPOINT = {
     "max_keep": (MAX_KEEP, rule("an int >= 1, or -1 to keep all",
                                 lambda v: is_int(v) and (v >= 1 or v == -1)),
                  "periodic checkpoints kept, the oldest removed first (-1: all)"),
-    "save_last": (True, BOOL, "save a checkpoint at the end of training"),
-    "save_best": (None, nullable(TEXT),
+    "save_last": (True, check_bool, "save a checkpoint at the end of training"),
+    "save_best": (None, nullable(check_text),
                   "keep best_<metric>_*.pth of the best value of this validation metric "
                   "(e.g. accuracy, or val/<set>/<metric> with several sets)"),
     "best_rule": (None, nullable(choice("greater", "less")),
                   "whether greater or less is better for save_best (default: less for a "
                   "name with 'loss' in it, else greater)"),
-    "async": (False, BOOL,
+    "async": (False, check_bool,
               "write periodic checkpoints in the background while training goes on (not "
               "under deepspeed)"),
 }

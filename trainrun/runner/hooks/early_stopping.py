@@ -21,7 +21,7 @@ from trainrun.runner.hooks.checkpoint import best_rule_for, improves
 from trainrun.runner.logging import get_logger
 from trainrun.runner.schema import (
     REQUIRED,
-    TEXT,
+    check_text,
     choice,
     fields,
     integer,
@@ -61,7 +61,7 @@ class EarlyStoppingHook(Hook):
 
     priority = NORMAL  # see hooks/base.py for the order
     OPTIONS = {
-        "metric": (REQUIRED, TEXT),
+        "metric": (REQUIRED, check_text),
         "rule": (None, nullable(choice(*RULES))),
         "patience": (5, integer(1)),
         "min_delta": (0.0, number(at_least=0)),

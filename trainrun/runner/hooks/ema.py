@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from trainrun.runner.hooks.base import VALIDATION, Hook, every
-from trainrun.runner.schema import BOOL, bad_value, expects, fields, integer, is_number
+from trainrun.runner.schema import bad_value, check_bool, expects, fields, integer, is_number
 
 
 def _momentum(key: str, value: Any) -> float:
@@ -71,7 +71,7 @@ class EMAHook(Hook):
         "momentum": (0.0002, expects("a number in (0, 1]", _momentum)),
         "interval": (1, integer(1)),
         "warmup": (0, integer(0)),
-        "evaluate": (True, BOOL),
+        "evaluate": (True, check_bool),
     }
 
     def __init__(self, momentum: float = 0.0002, interval: int = 1, warmup: int = 0,

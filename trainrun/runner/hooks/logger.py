@@ -32,7 +32,7 @@ from trainrun.runner.hooks.timer import Window
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim.wrapper import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
-from trainrun.runner.schema import BOOL, expects, fields, integer, names
+from trainrun.runner.schema import check_bool, expects, fields, integer, names
 from trainrun.runner.trackers import check_backend, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
@@ -384,17 +384,17 @@ def resuming(runner: Any) -> bool:
     return start is not None and start[0] == "resume"
 
 
-BACKEND = expects(f"one of {', '.join((*BACKENDS, *TRACKERS))} or a tracker class by import "
-                  f"path", partial(check_backend, own=BACKENDS))
+check_logging_backend = expects(f"one of {', '.join((*BACKENDS, *TRACKERS))} or a tracker "
+                                f"class by import path", partial(check_backend, own=BACKENDS))
 
 
 LOGGING = {
     "interval": (INTERVAL, integer(1),
                  "log a training line every this many iterations, and at the last"),
-    "backends": (list(BACKENDS), names(BACKEND),
+    "backends": (list(BACKENDS), names(check_logging_backend),
                  "where lines go: console (and train.log), jsonl (metrics.jsonl), tensorboard, "
                  "wandb, mlflow, or a tracker class by import path"),
-    "step_metrics": (True, BOOL,
+    "step_metrics": (True, check_bool,
                      "log grad_norm, compute_time, samples_per_s, tokens_per_s and "
                      "peak_memory_mb on every training line"),
 }

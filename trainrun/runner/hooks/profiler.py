@@ -23,7 +23,7 @@ from trainrun.dist import gather_object, is_main_process
 from trainrun.messages import is_int
 from trainrun.runner.hooks.base import PROFILER, Hook
 from trainrun.runner.logging import get_logger
-from trainrun.runner.schema import BOOL, expects, fields, integer, rule
+from trainrun.runner.schema import check_bool, expects, fields, integer, rule
 
 
 def _ranks(key: str, value: Any) -> list[int]:
@@ -66,9 +66,9 @@ class ProfilerHook(Hook):
         "active": (3, integer(1)),
         "repeat": (1, integer(0)),
         "ranks": ([0], expects("a non-empty list of ranks (ints >= 0)", _ranks)),
-        "record_shapes": (False, BOOL),
-        "profile_memory": (False, BOOL),
-        "with_stack": (False, BOOL),
+        "record_shapes": (False, check_bool),
+        "profile_memory": (False, check_bool),
+        "with_stack": (False, check_bool),
     }
 
     def __init__(self, wait: int = 1, warmup: int = 1, active: int = 3, repeat: int = 1,

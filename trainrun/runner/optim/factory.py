@@ -103,7 +103,7 @@ def optimizer_factory(cfg: Mapping[str, Any], on_warning: Callable[[str], None] 
     def make(module: nn.Module) -> Optimizers:
         if not per_module:
             optimizer, unmatched = _optimizer(module, common)
-            _tell(optimizer, "", common, on_groups)
+            _report_param_groups(optimizer, "", common, on_groups)
             _warn_unmatched({"optim.paramwise": set(unmatched)}, on_warning)
             return optimizer
         optimizers, missed = {}, {}
@@ -111,7 +111,7 @@ def optimizer_factory(cfg: Mapping[str, Any], on_warning: Callable[[str], None] 
             options = {**common, **own_options(overrides)}
             optimizers[name], unmatched = _optimizer(getattr(module, name), options,
                                                      f"{name}.")
-            _tell(optimizers[name], name, options, on_groups)
+            _report_param_groups(optimizers[name], name, options, on_groups)
             # a shared key is unmatched only where no submodule sharing it matched it
             where = (f"optim.per_module.{name}.paramwise" if "paramwise" in (overrides or {})
                      else "optim.paramwise")
@@ -122,7 +122,7 @@ def optimizer_factory(cfg: Mapping[str, Any], on_warning: Callable[[str], None] 
     return make
 
 
-def _tell(optimizer: torch.optim.Optimizer, scope: str, options: Mapping[str, Any],
+def _report_param_groups(optimizer: torch.optim.Optimizer, scope: str, options: Mapping[str, Any],
           on_groups: Callable[[list[str]], None] | None) -> None:
     """Describe ``optimizer``'s groups to ``on_groups`` where paramwise made them."""
     if on_groups is not None and options.get("paramwise") is not None:

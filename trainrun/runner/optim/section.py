@@ -14,12 +14,12 @@ from trainrun.runner.optim.factory import optimizer_arguments, optimizer_names
 from trainrun.runner.optim.param_groups import check_paramwise
 from trainrun.runner.schema import (
     ALIASES,
-    BOOL,
     OPTIONAL,
     REQUIRED,
     ConfigError,
     Fields,
     bad_value,
+    check_bool,
     choice,
     expected_of,
     expects,
@@ -38,9 +38,9 @@ ONE_GROUP = ("LBFGS",)  # optimisers that refuse parameter groups
 CLIP_GRAD_KEYS = {
     "max_norm": (REQUIRED, number(above=0), "the largest total gradient norm kept"),
     "norm_type": (2.0, rule("a number", is_number), "which norm (2: Euclidean; inf: max)"),
-    "error_if_nonfinite": (OPTIONAL, BOOL,
+    "error_if_nonfinite": (OPTIONAL, check_bool,
                            "raise when the norm is nan or inf (torch's clip_grad_norm_)"),
-    "foreach": (OPTIONAL, nullable(BOOL), "torch's clip_grad_norm_ foreach option"),
+    "foreach": (OPTIONAL, nullable(check_bool), "torch's clip_grad_norm_ foreach option"),
 }
 check_clip_grad_options = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}",
                                   section(CLIP_GRAD_KEYS))
@@ -136,8 +136,8 @@ def check_per_module(key: str, optim: Mapping[str, Any]) -> dict[str, dict[str, 
         if "per_module" in overrides:
             raise unknown_key(prefix, "per_module", shared)
 
-        def where(option: str, _prefix: str = prefix, _own: Mapping = overrides) -> str:
-            return join(_prefix if option in _own else optim_key, option)
+        def where(option: str, _prefix: str = prefix, _overridden: Mapping = overrides) -> str:
+            return join(_prefix if option in _overridden else optim_key, option)
 
         merged = check_optim(prefix, {**shared, **overrides}, where)
         out[name] = {k: merged[k] for k in overrides}
