@@ -5,7 +5,7 @@ A training run's record is ``config.yaml`` (the resolved config, written by rank
 console log) and ``checkpoints/`` (every checkpoint, and ``last`` naming the newest); one job
 at a time holds the directory through its ``run.lock`` (``trainrun.runner.lock``). Every name
 of these is defined here or beside its owner (the lock's in ``lock.py``, the checkpoints' in
-``checkpoint.py``), and every other module asks a ``RunDir`` for the path.
+``trainrun/checkpoint/manager.py``), and every other module asks a ``RunDir`` for the path.
 
 Other commands never change that record: ``trainrun test`` writes a directory of its own,
 ``test/<checkpoint>/`` (a ``TestDir``: its own ``config.yaml``, ``test.log`` and the scores as
