@@ -177,7 +177,9 @@ def other_than(case: Case) -> Case:
 
 # ---------------------------------------------------------------- the runs
 
-STEPS, INTERVAL, CRASH_AFTER = 6, 2, 5  # checkpoints at steps 2, 4 and 6; 4 steps an epoch
+# checkpoints at steps 2, 4, 6 and (the last) 7, the oldest pruned: 3 kept; an epoch is 4 steps
+# on 2 ranks
+STEPS, INTERVAL, CRASH_AFTER = 7, 2, 5
 
 
 def _runner(work_dir: str, case: Case, **more: Any) -> Runner:
@@ -270,7 +272,7 @@ class Trained:
 def _train(run_on: Callable, root: Path, case: Case) -> Trained:
     on_ranks = run_on(case.processes)
     final = on_ranks(_straight_and_crashed, case, str(root))
-    newest = root / "crashed" / "checkpoints" / f"iter_{CRASH_AFTER // INTERVAL * INTERVAL}.pth"
+    newest = root / "crashed" / "checkpoints" / "iter_4.pth"  # the last before the crash
     damaged = damage(newest)
     resumed = on_ranks(_refused_then_resumed, case, str(root), str(newest))
     return Trained(root, final, damaged, [r for r, _ in resumed], [s for _, s in resumed])
@@ -308,9 +310,9 @@ def test_a_checkpoint_is_published_verified_and_in_the_strategys_format(trained,
     run = trained(case)
     checkpoints = run.straight / "checkpoints"
     names = sorted(p.name for p in checkpoints.iterdir() if not is_sidecar(p.name))
-    assert names == ["iter_2.pth", "iter_4.pth", "iter_6.pth", "last"]  # no leftovers
-    assert (checkpoints / "last").read_text().strip() == "iter_6.pth"
-    newest = checkpoints / "iter_6.pth"
+    assert names == ["iter_4.pth", "iter_6.pth", "iter_7.pth", "last"]  # pruned, no leftovers
+    assert (checkpoints / "last").read_text().strip() == "iter_7.pth"
+    newest = checkpoints / "iter_7.pth"
     assert manifest_of(newest).is_file()
     assert verify_checkpoint(newest, alone=True) is True
     with own_strategy():
@@ -323,8 +325,8 @@ def test_a_checkpoint_is_published_verified_and_in_the_strategys_format(trained,
 @pytest.mark.parametrize("case", params())
 def test_a_crashed_run_resumes_with_bit_identical_losses(trained, case):
     """Killed after step 5, resumed from step 2 (its checkpoint of step 4 is damaged: see
-    the test below): steps 3 to 5 logged again across an epoch's end, each step once, with
-    the losses of the straight run to the last bit."""
+    the test below): steps 3 to 5 trained again across an epoch's end and logged once each,
+    with the losses of the straight run to the last bit; the damaged checkpoint saved again."""
     run = trained(case)
     resumed_from = run.crashed / "checkpoints" / "iter_2.pth"
     logged = loss_list(run.crashed)
@@ -334,7 +336,9 @@ def test_a_crashed_run_resumes_with_bit_identical_losses(trained, case):
     assert marks == [{"step": 2, "mode": "resume", "from": str(resumed_from)}]
     log = (run.crashed / "train.log").read_text()
     assert f"resumed from {resumed_from} at epoch 1, step 2\n" in log
-    assert (run.crashed / "checkpoints" / "last").read_text().strip() == "iter_6.pth"
+    checkpoints = run.crashed / "checkpoints"
+    assert (checkpoints / "last").read_text().strip() == "iter_7.pth"
+    assert verify_checkpoint(checkpoints / "iter_4.pth", alone=True) is True
 
 
 @pytest.mark.parametrize("case", params())
@@ -355,7 +359,7 @@ def test_its_weights_load_under_another_strategy_and_anothers_under_it(trained, 
                                                                         tmp_path):
     other = other_than(case)
     run, others = trained(case), trained(other)
-    checkpoint, others_checkpoint = (r.straight / "checkpoints" / "iter_6.pth"
+    checkpoint, others_checkpoint = (r.straight / "checkpoints" / "iter_7.pth"
                                      for r in (run, others))
     for loaded in run_on(2)(_loaded_across, case, other, str(checkpoint),
                             str(others_checkpoint), str(tmp_path)):
