@@ -177,16 +177,17 @@ def other_than(case: Case) -> Case:
 
 # ---------------------------------------------------------------- the runs
 
-# checkpoints at steps 2, 4, 6 and (the last) 7, the oldest pruned: 3 kept; an epoch is 4 steps
-# on 2 ranks
-STEPS, INTERVAL, CRASH_AFTER = 7, 2, 5
+# checkpoints at steps 2, 4, 6, 8 and (the last) 9, the oldest pruned: 3 kept. An epoch is 4
+# steps on 2 ranks: the crashed run resumes from the checkpoint of an epoch's last step
+STEPS, INTERVAL, CRASH_AFTER = 9, 2, 7
+SAMPLES, BATCH = 32, 4  # BATCH on each rank
 
 
 def _runner(work_dir: str, case: Case, **more: Any) -> Runner:
     return Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
-        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
-                          "batch_size": 4},
+        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": SAMPLES,
+                          "batch_size": BATCH},
         optim={"type": "AdamW", "lr": 0.01}, scheduler={"type": "cosine", "warmup_iters": 3},
         strategy=case.config(), schedule={"max_iters": STEPS}, randomness={"seed": 7},
         logging={"interval": 1, "backends": ["jsonl"]}, checkpoint={"interval": INTERVAL},
@@ -272,7 +273,7 @@ class Trained:
 def _train(run_on: Callable, root: Path, case: Case) -> Trained:
     on_ranks = run_on(case.processes)
     final = on_ranks(_straight_and_crashed, case, str(root))
-    newest = root / "crashed" / "checkpoints" / "iter_4.pth"  # the last before the crash
+    newest = root / "crashed" / "checkpoints" / "iter_6.pth"  # the last before the crash
     damaged = damage(newest)
     resumed = on_ranks(_refused_then_resumed, case, str(root), str(newest))
     return Trained(root, final, damaged, [r for r, _ in resumed], [s for _, s in resumed])
@@ -310,9 +311,9 @@ def test_a_checkpoint_is_published_verified_and_in_the_strategys_format(trained,
     run = trained(case)
     checkpoints = run.straight / "checkpoints"
     names = sorted(p.name for p in checkpoints.iterdir() if not is_sidecar(p.name))
-    assert names == ["iter_4.pth", "iter_6.pth", "iter_7.pth", "last"]  # pruned, no leftovers
-    assert (checkpoints / "last").read_text().strip() == "iter_7.pth"
-    newest = checkpoints / "iter_7.pth"
+    assert names == ["iter_6.pth", "iter_8.pth", "iter_9.pth", "last"]  # pruned, no leftovers
+    assert (checkpoints / "last").read_text().strip() == "iter_9.pth"
+    newest = checkpoints / "iter_9.pth"
     assert manifest_of(newest).is_file()
     assert verify_checkpoint(newest, alone=True) is True
     with own_strategy():
@@ -324,33 +325,34 @@ def test_a_checkpoint_is_published_verified_and_in_the_strategys_format(trained,
 
 @pytest.mark.parametrize("case", params())
 def test_a_crashed_run_resumes_with_bit_identical_losses(trained, case):
-    """Killed after step 5, resumed from step 2 (its checkpoint of step 4 is damaged: see
-    the test below): steps 3 to 5 trained again across an epoch's end and logged once each,
-    with the losses of the straight run to the last bit; the damaged checkpoint saved again."""
+    """Killed after step 7, resumed from step 4, an epoch's last step on 2 ranks (its
+    checkpoint of step 6 is damaged: see the test below): steps 5 to 7 trained again and
+    logged once each, with the losses of the straight run to the last bit; the damaged
+    checkpoint saved again."""
     run = trained(case)
-    resumed_from = run.crashed / "checkpoints" / "iter_2.pth"
+    resumed_from = run.crashed / "checkpoints" / "iter_4.pth"
     logged = loss_list(run.crashed)
     assert [step for step, _ in logged] == list(range(1, STEPS + 1))
     assert logged == loss_list(run.straight)  # ==: bit for bit
     marks = [r for r in records(run.crashed) if r.get("mode") == "resume"]
-    assert marks == [{"step": 2, "mode": "resume", "from": str(resumed_from)}]
+    assert marks == [{"step": 4, "mode": "resume", "from": str(resumed_from)}]
     log = (run.crashed / "train.log").read_text()
-    assert f"resumed from {resumed_from} at epoch 1, step 2\n" in log
+    assert f"resumed from {resumed_from} at epoch 1, step 4\n" in log
     checkpoints = run.crashed / "checkpoints"
-    assert (checkpoints / "last").read_text().strip() == "iter_7.pth"
-    assert verify_checkpoint(checkpoints / "iter_4.pth", alone=True) is True
+    assert (checkpoints / "last").read_text().strip() == "iter_9.pth"
+    assert verify_checkpoint(checkpoints / "iter_6.pth", alone=True) is True
 
 
 @pytest.mark.parametrize("case", params())
 def test_a_damaged_checkpoint_is_passed_over_and_refused_by_path(trained, case):
     run = trained(case)
-    damaged = run.crashed / "checkpoints" / "iter_4.pth"
+    damaged = run.crashed / "checkpoints" / "iter_6.pth"
     why = f"{damaged} is damaged: {run.damaged}: sha256 mismatch " \
           f"(against {manifest_of(damaged).name})"
     assert run.refusals == [{"resume": f"resume: {why}", "load_from": f"load_from: {why}"}] \
         * case.processes
     assert not (run.root / "refused").exists()  # refused before anything was written
-    assert run.started == [("resume", str(damaged.with_name("iter_2.pth")))] * case.processes
+    assert run.started == [("resume", str(damaged.with_name("iter_4.pth")))] * case.processes
     assert f"resume: skipped: {why}\n" in (run.crashed / "train.log").read_text()
 
 
@@ -359,7 +361,7 @@ def test_its_weights_load_under_another_strategy_and_anothers_under_it(trained, 
                                                                         tmp_path):
     other = other_than(case)
     run, others = trained(case), trained(other)
-    checkpoint, others_checkpoint = (r.straight / "checkpoints" / "iter_7.pth"
+    checkpoint, others_checkpoint = (r.straight / "checkpoints" / "iter_9.pth"
                                      for r in (run, others))
     for loaded in run_on(2)(_loaded_across, case, other, str(checkpoint),
                             str(others_checkpoint), str(tmp_path)):
