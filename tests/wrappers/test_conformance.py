@@ -3,16 +3,16 @@ strategy registered in ``trainrun.registry.STRATEGIES`` (read when the tests are
 so a strategy registered later is covered at once; deepspeed as ZeRO-2 and as ZeRO-3), and
 one defined in this file alone with a checkpoint format of its own.
 
-For each, on 2 gloo ranks: (a) a checkpoint is written, published (``last``), verified
-against its manifest and in the strategy's own format, which reads the run's weights back;
-(b) a run that crashed resumes and logs the losses of a run that never stopped, bit for bit;
-(c) its weights load with ``load_from`` under another strategy, and another's under it,
-exactly; (d) a damaged newest checkpoint is passed over (saying so) and, named by path,
-refused with the damaged file named.
+For each, on 2 gloo ranks ('none', which trains a copy on every rank, in one process): (a) a
+checkpoint is written, published (``last``), pruned, verified against its manifest and in
+the strategy's own format, which reads the run's weights back; (b) a run that crashed resumes
+and logs the losses of a run that never stopped, bit for bit; (c) its weights load with
+``load_from`` under another strategy, and another's under it, exactly; (d) a damaged newest
+checkpoint is passed over (saying so) and, named by path, refused with the damaged file named.
 
-One straight run and one crashed-then-resumed run per strategy serve (a), (b) and (d): the
-newest checkpoint of the crashed run gets one byte flipped before the resume, which so goes
-back to the checkpoint before it.
+One straight run and one crashed-then-resumed run per strategy, trained once a session, serve
+(a), (b) and (d): the newest checkpoint of the crashed run gets one byte flipped before the
+resume, which so goes back to the checkpoint before it.
 """
 
 from __future__ import annotations
@@ -308,6 +308,8 @@ def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 
 @pytest.mark.parametrize("case", params())
 def test_a_checkpoint_is_published_verified_and_in_the_strategys_format(trained, case):
+    """The straight run's checkpoints: the oldest pruned, ``last`` naming the newest, which
+    its manifest verifies and its strategy's format reads, with the run's final weights."""
     run = trained(case)
     checkpoints = run.straight / "checkpoints"
     names = sorted(p.name for p in checkpoints.iterdir() if not is_sidecar(p.name))
@@ -345,6 +347,9 @@ def test_a_crashed_run_resumes_with_bit_identical_losses(trained, case):
 
 @pytest.mark.parametrize("case", params())
 def test_a_damaged_checkpoint_is_passed_over_and_refused_by_path(trained, case):
+    """One byte flipped in the crashed run's newest checkpoint: named by path as ``resume``
+    or ``load_from``, it is refused, naming the file, before a run directory is made;
+    ``resume: true`` skips it, saying why, for the one before it."""
     run = trained(case)
     damaged = run.crashed / "checkpoints" / "iter_6.pth"
     why = f"{damaged} is damaged: {run.damaged}: sha256 mismatch " \
@@ -359,6 +364,10 @@ def test_a_damaged_checkpoint_is_passed_over_and_refused_by_path(trained, case):
 @pytest.mark.parametrize("case", params())
 def test_its_weights_load_under_another_strategy_and_anothers_under_it(trained, case, run_on,
                                                                         tmp_path):
+    """The straight run's last checkpoint loaded under ddp (ddp's under none), and ddp's
+    (none's) under this strategy: each model holds exactly the weights saved. Loading reads
+    the weights through the checkpoint's format, then hands them to the strategy, so these
+    pairs stand for every pair of strategies."""
     other = other_than(case)
     run, others = trained(case), trained(other)
     checkpoint, others_checkpoint = (r.straight / "checkpoints" / "iter_9.pth"
