@@ -317,13 +317,11 @@ def test_resume_between_accumulated_steps_is_exact(run_on, tmp_path, world_size)
                   accumulate=2)
 
 
-@pytest.mark.parametrize(("world_size", "interval"), [(1, 6), (2, 3)])
-def test_resume_from_the_last_step_of_an_epoch_is_exact(run_on, tmp_path, world_size,
-                                                        interval):
-    """24 samples in batches of 4: an epoch is 6 steps on 1 rank, 3 on 2. A checkpoint at an
-    epoch's last step goes on with the next epoch, not the same one again."""
-    check_resumed(run_on(world_size), tmp_path, interval=interval, crash_after=interval + 1,
-                  max_iters=2 * interval + 1)
+def test_resume_from_the_last_step_of_an_epoch_is_exact(run_on, tmp_path):
+    """24 samples in batches of 4: an epoch is 6 steps in one process. A checkpoint at an
+    epoch's last step goes on with the next epoch, not the same one again (on 2 ranks, for
+    every strategy: tests/wrappers/test_conformance.py)."""
+    check_resumed(run_on(1), tmp_path, interval=6, crash_after=7, max_iters=13)
 
 
 # ---------------------------------------------------------------- background saves
@@ -456,11 +454,12 @@ def test_a_background_save_is_hashed_while_training_goes_on(tmp_path, monkeypatc
     assert verify_checkpoint(manager.directory / "iter_1.pth", alone=True) is True
 
 
-def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path, capfd):
+def test_a_checkpoint_without_a_manifest_is_taken_unverified_and_all_damaged_are_refused(
+        tmp_path, capfd):
     """The newest checkpoint damaged, the one before it written without a manifest: resume
-    says which it skipped and why, takes the older one unverified and logs the losses of an
-    unbroken run. A damaged checkpoint named by path, or every one damaged, is refused before
-    the run directory is touched."""
+    takes the older one unverified, saying so, and logs the losses of an unbroken run. Every
+    checkpoint damaged: resume is refused, naming each. (A damaged checkpoint passed over, and
+    one named by path refused, for every strategy: tests/wrappers/test_conformance.py.)"""
     work_dir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     runner = _runner(work_dir)
     runner.train()
@@ -474,8 +473,6 @@ def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path
     runner.train()
     runner.close()
     err = capfd.readouterr().err
-    assert f"resume: skipped: {checkpoints / 'iter_6.pth'} is damaged: iter_6.pth: sha256 " \
-           "mismatch (against iter_6.pth.sha256)" in err
     assert f"{checkpoints / 'iter_4.pth'} has no manifest of hashes" in err
     assert loss_list(work_dir) == straight  # steps 5 and 6 once, bit for bit
 
@@ -487,15 +484,6 @@ def test_resume_passes_over_damaged_checkpoints_and_refuses_a_named_one(tmp_path
     assert str(refused.value) == f"resume: no intact checkpoint in {checkpoints}: " + "; ".join(
         f"{checkpoints / name} is damaged: {name}: sha256 mismatch (against {name}.sha256)"
         for name in ("iter_6.pth", "iter_4.pth", "iter_2.pth"))
-    elsewhere = tmp_path / "elsewhere"
-    for key, value in (("resume", str(checkpoints / "iter_6.pth")),
-                       ("load_from", str(checkpoints / "iter_2.pth"))):
-        with pytest.raises(ConfigError) as refused:
-            _runner(elsewhere, **{key: value})
-        name = Path(value).name
-        assert str(refused.value) == f"{key}: {value} is damaged: {name}: sha256 mismatch " \
-                                     f"(against {name}.sha256)"
-    assert not elsewhere.exists()
 
 
 # ---------------------------------------------------------------- crafted pickles
