@@ -503,7 +503,9 @@ class Runner:
 
         Loads model, optimiser, schedulers, position, sampler, hooks' states and RNG states
         (the latter only when the world size is the one that saved it; otherwise random
-        streams restart, said in a warning). Every rank must call this.
+        streams restart, said in a warning). Every rank must call this. Rank 0 then takes out
+        of ``metrics.jsonl`` the lines that steps after the checkpoint logged (a run killed
+        after it had gone on) and marks the resume there, so that each step has one line.
 
         Args:
             path: the checkpoint (a file, or a directory for sharded strategies).
@@ -520,6 +522,12 @@ class Runner:
         train_state(self).load_state_dict(state)
         at_checkpoint(path.name, self.iter)
         self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
+        if self.metrics_file.path.exists():  # each step once: the lost steps' lines go
+            dropped = self.metrics_file.resume(self.iter, path)
+            if dropped:  # (None on the other ranks)
+                self.logger.info("%s: took out the %d line(s) logged after step %d, which this "
+                                 "run trains again", self.metrics_file.path.name, dropped,
+                                 self.iter)
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path`` (a

@@ -77,16 +77,7 @@ class LoggerHook(Hook):
         self._pending: LoggedStep | None = None  # a logged step whose numbers are on the way
 
     def before_train(self, runner: Any) -> None:
-        """A resumed run first takes out of metrics.jsonl what the steps after its checkpoint
-        logged (a run killed after that checkpoint went on) and marks the resume there
-        (rank 0), so that each step has one line; then the trackers start and the progress
-        bar appears."""
-        if resuming(runner) and ("jsonl" in self.backends or runner.metrics_file.path.exists()):
-            dropped = runner.metrics_file.resume(runner.iter, runner.start_from[1])
-            if dropped:  # (None on the other ranks)
-                get_logger().info("%s: took out the %d line(s) logged after step %d, which "
-                                  "this run trains again", runner.metrics_file.path.name,
-                                  dropped, runner.iter)
+        """The trackers start and the progress bar appears."""
         self._started = (time.monotonic(), runner.iter)
         self._measuring = None
         if self.trackers:
