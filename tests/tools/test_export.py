@@ -114,10 +114,10 @@ def test_bad_input_exits_2_with_one_line(export_runs, tmp_path, capsys):
 
 @pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_an_export_gets_the_permissions_of_any_file_the_user_creates(trained, tmp_path, mask,
+def test_an_export_gets_the_permissions_of_any_file_the_user_creates(export_runs, tmp_path, mask,
                                                                      suffix):
     """0o666 less the umask, as ``touch`` would give (safetensors alone creates 0o600)."""
-    work_dir, _ = trained["ddp"]
+    work_dir, _ = export_runs["ddp"]
     out = tmp_path / f"model{suffix}"
     previous = os.umask(mask)
     try:
@@ -129,8 +129,8 @@ def test_an_export_gets_the_permissions_of_any_file_the_user_creates(trained, tm
     assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "touched").stat().st_mode)
 
 
-def test_export_never_writes_a_training_runs_record(trained, tmp_path, capsys):
-    work_dir, _ = trained["ddp"]
+def test_export_never_writes_a_training_runs_record(export_runs, tmp_path, capsys):
+    work_dir, _ = export_runs["ddp"]
     run = shutil.copytree(work_dir, tmp_path / "run")
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     for part in ("train.log", "metrics.jsonl", "config.yaml", "checkpoints/last",
