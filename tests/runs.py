@@ -9,6 +9,7 @@ of these runs asks for its fixture; it does not train the same run again.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -123,6 +124,35 @@ def hooks_run(tmp_path_factory: pytest.TempPathFactory
     done = run(hooks_command(work_dir, EARLY, COUNTER, PROFILER))
     assert done.returncode == 0, done.stderr[-4000:]
     return work_dir, done
+
+
+# ---------------------------------------------------------------- trackers
+
+# 2 processes, batch 32 each: 20 steps an epoch; 10 steps, logged every 5
+TRACKED_OPTIONS = ["schedule.max_epochs=null", "schedule.max_iters=10", "schedule.val_interval=10",
+                   "checkpoint.interval=5", "logging.interval=5", "optim.lr=0.00125",
+                   "data.train.type=tests.tools.trackers.DigitsWithTokens"]
+# the recording tracker (tests/tools/trackers.py), then the trackers whose packages are here
+TRACKED_BACKENDS = ["console", "jsonl", "tests.tools.trackers.RecordingTracker",
+                    *(name for name in ("wandb", "mlflow") if importlib.util.find_spec(name))]
+
+
+def tracked_command(work_dir: Path, *more: str) -> list[str]:
+    """The digits config on 2 processes under torchrun with ``TRACKED_OPTIONS``, tracked by
+    every backend of ``TRACKED_BACKENDS``."""
+    return torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir), *more,
+                    "--cfg-options", *TRACKED_OPTIONS,
+                    f"logging.backends=[{','.join(TRACKED_BACKENDS)}]")
+
+
+@shared_run
+def tracked_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run tracked by the recording tracker, W&B (offline) and MLflow (its file store) at
+    once, each where installed: the run directory, which the tests only read."""
+    work_dir = tmp_path_factory.mktemp("tracked") / "run"
+    done = run(tracked_command(work_dir))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return work_dir
 
 
 # ---------------------------------------------------------------- a checkpoint of each strategy

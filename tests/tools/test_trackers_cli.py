@@ -2,26 +2,27 @@
 one's own by import path, W&B offline and MLflow's file store in the run directory (2
 processes under torchrun: only rank 0 tracks), the step metrics in metrics.jsonl, a tracker
 whose package is missing refused before anything is written, and plot_metrics drawing a step
-metric."""
+metric.
+
+The first three tests read one run tracked by all those trackers at once (``tracked_run``,
+tests/runs.py); the MLflow test resumes a copy of it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.cli import CONFIG, REPO, env, run, torchrun
+from tests.cli import REPO, env, run
 from tests.records import train_records
+from tests.runs import tracked_command
 from tests.tools.trackers import CALLS
 
 SINGLE = REPO / "configs" / "digits_single.yaml"
-# 2 processes, batch 32 each: 20 steps an epoch; logged every 5 steps
-SHORT = ["schedule.max_epochs=null", "schedule.max_iters=10", "schedule.val_interval=10",
-         "checkpoint.interval=5",
-         "logging.interval=5"]
 NEW_FIELDS = {"grad_norm", "compute_time", "samples_per_s", "peak_memory_mb"}
 
 
@@ -33,18 +34,9 @@ def needs(package: str):
                                      f"trainrun[{package}])")
 
 
-def train_2(work_dir: Path, *options: str) -> subprocess.CompletedProcess:
-    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
-                        "--cfg-options", *SHORT, *options))
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
 @pytest.mark.slow
-def test_a_tracker_by_import_path_gets_start_log_finish_on_rank_0_only(tmp_path):
-    work_dir = tmp_path / "run"
-    train_2(work_dir, "logging.backends=[console,jsonl,tests.tools.trackers.RecordingTracker]",
-            "data.train.type=tests.tools.trackers.DigitsWithTokens")
+def test_a_tracker_by_import_path_gets_start_log_finish_on_rank_0_only(tracked_run):
+    work_dir = tracked_run
     calls = [json.loads(line) for line in (work_dir / CALLS).read_text().splitlines()]
     assert {c["rank"] for c in calls} == {0}
     assert [c["call"] for c in calls] == ["start", "log", "log", "log", "finish"]  # 5, 10, val
@@ -77,9 +69,8 @@ def _wandb_records(path: Path) -> bytes:
 
 @pytest.mark.slow
 @needs("wandb")
-def test_wandb_writes_an_offline_run_into_the_run_directory(tmp_path):
-    work_dir = tmp_path / "run"
-    train_2(work_dir, "logging.backends=[jsonl,wandb]", "optim.lr=0.00125")
+def test_wandb_writes_an_offline_run_into_the_run_directory(tracked_run):
+    work_dir = tracked_run
     run_id = (work_dir / "wandb_run_id").read_text().strip()
     data = _wandb_records(work_dir)
     assert run_id.encode() in data and b"digits_ddp" in data
@@ -102,9 +93,8 @@ def _mlflow_run(work_dir: Path):
 
 @pytest.mark.slow
 @needs("mlflow")
-def test_mlflow_file_store_in_the_run_directory_holds_params_and_metrics(tmp_path):
-    work_dir = tmp_path / "run"
-    train_2(work_dir, "logging.backends=[jsonl,mlflow]")
+def test_mlflow_file_store_in_the_run_directory_holds_params_and_metrics(tracked_run, tmp_path):
+    work_dir = tracked_run
     client, runs = _mlflow_run(work_dir)
     assert len(runs) == 1  # rank 0's only
     mlrun = runs[0]
@@ -121,8 +111,12 @@ def test_mlflow_file_store_in_the_run_directory_holds_params_and_metrics(tmp_pat
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "val/accuracy")] \
         == [10]
     # resumed (from the step-10 checkpoint, the run's end): the same MLflow run continues
-    train_2(work_dir, "logging.backends=[jsonl,mlflow]", "resume=true")
-    _, again = _mlflow_run(work_dir)
+    # (in a copy of the run directory, which the other tests read as the first run left it)
+    copy = shutil.copytree(work_dir, tmp_path / "run")
+    done = run(tracked_command(copy, "--resume"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resumed from {copy / 'checkpoints' / 'iter_10.pth'}" in done.stderr
+    _, again = _mlflow_run(copy)
     assert [r.info.run_id for r in again] == [mlrun.info.run_id]
 
 
@@ -144,12 +138,9 @@ def test_a_tracker_whose_package_is_missing_exits_2_before_anything_is_written(t
         assert "Traceback" not in done.stderr and not work_dir.exists()
 
 
-def test_plot_metrics_plots_a_step_metric(tmp_path):
-    work_dir = tmp_path / "run"
-    done = run([sys.executable, str(REPO / "tools" / "train.py"), str(SINGLE), "--work-dir",
-                str(work_dir), "--cfg-options", "schedule.max_epochs=null",
-                "schedule.max_iters=20", "logging.interval=5", "checkpoint.interval=0"])
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.mark.slow
+def test_plot_metrics_plots_a_step_metric(digits_run, tmp_path):
+    work_dir, _ = digits_run
     assert NEW_FIELDS <= set(train_records(work_dir)[0])
     out = tmp_path / "curves.png"
     done = run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(work_dir), "-o",
