@@ -20,25 +20,20 @@ from tests.runner.toy import (
     Killed,
     ToyModel,
     flip_byte,
+    newest,
     rehash,
     write_crafted_checkpoint,
 )
 from trainrun.checkpoint import manager as manager_module
 from trainrun.checkpoint import manifest
 from trainrun.checkpoint.format import load_state_file
-from trainrun.checkpoint.manager import CheckpointManager, newest_first
+from trainrun.checkpoint.manager import CheckpointManager
 from trainrun.checkpoint.manifest import verify_checkpoint
 from trainrun.runner.config import ConfigError
 from trainrun.runner.runner import Runner
 from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
 
 CPU = torch.device("cpu")
-
-
-def newest(manager: CheckpointManager):
-    """The checkpoint ``last`` names, if it is there."""
-    found = newest_first(manager.directory)
-    return found[0] if found else None
 
 
 def listing(directory: Path) -> list[str]:

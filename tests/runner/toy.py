@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from trainrun.checkpoint.manager import newest_first
 from trainrun.runner.evaluation import MeanOf
 from trainrun.wrappers import BaseModel
 
@@ -176,6 +177,12 @@ class Payload:
         import os
 
         return (os.system, (f"touch {self.marker}",))
+
+
+def newest(manager: Any) -> Path | None:
+    """The checkpoint a ``CheckpointManager``'s ``last`` names, if it is there."""
+    found = newest_first(manager.directory)
+    return found[0] if found else None
 
 
 def flip_byte(file: Path) -> None:

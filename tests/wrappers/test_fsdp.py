@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from tests.records import assert_same_norms, grad_norms, loss_list
-from tests.runner.toy import CrashAfter, Killed, ToyModel
+from tests.runner.toy import CrashAfter, Killed, ToyModel, newest
 from trainrun.checkpoint.format import load_state_file
-from trainrun.checkpoint.manager import CheckpointManager, newest_first
+from trainrun.checkpoint.manager import CheckpointManager
 from trainrun.runner.config import load_config
 from trainrun.runner.hooks import Hook
 from trainrun.runner.runner import Runner
@@ -27,12 +27,6 @@ from trainrun.wrappers.fsdp import (
 
 DATASET = "tests.runner.toy.ToyRegression"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def newest(manager: CheckpointManager):
-    """The checkpoint ``last`` names, if it is there."""
-    found = newest_first(manager.directory)
-    return found[0] if found else None
 
 
 class Seen(Hook):
