@@ -132,11 +132,15 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     (or the resumed run) began. Without workers the data set draws from the main process's
     streams, which checkpoints save.
     """
-    name, options = _split(cfg)
-    loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
-    options.pop("metrics", None)
-    section_keys = ("type", *LOADER_OPTIONS, *(() if train else ("metrics",)))
-    dataset = construct(key, "dataset", name, options, also_known=section_keys)
+    if "dataset" in cfg:  # built already (check_built_set)
+        dataset = cfg["dataset"]
+        name, loader = type(dataset).__name__, {k: v for k, v in cfg.items() if k != "dataset"}
+    else:
+        name, options = _split(cfg)
+        loader = {option: options.pop(option) for option in LOADER_OPTIONS if option in options}
+        options.pop("metrics", None)
+        section_keys = ("type", *LOADER_OPTIONS, *(() if train else ("metrics",)))
+        dataset = construct(key, "dataset", name, options, also_known=section_keys)
     if isinstance(dataset, IterableDataset):
         return _stream_loader(dataset, key, name, train, loader)
     shuffle = loader.pop("shuffle", train)
@@ -335,7 +339,10 @@ def loader_table(split: str) -> Fields:
 
 
 def check_loader(key: str, value: Any, split: str, warnings: list[str]) -> dict[str, Any]:
-    """A data section: the data set's type, its DataLoader options and any data set kwargs."""
+    """A data section: the data set's type, its DataLoader options and any data set kwargs;
+    or, from Python, a data set already built (``dataset``) and its DataLoader options."""
+    if isinstance(value, Mapping) and "dataset" in value:
+        return check_built_set(key, value, split)
     if split == "train" and isinstance(value, Mapping) and "metrics" in value:
         raise bad_value(f"{key}.metrics", value["metrics"],
                         "no metrics on the train section (they belong under data.val or data.test)")
@@ -349,6 +356,22 @@ def check_loader(key: str, value: Any, split: str, warnings: list[str]) -> dict[
                 warnings.append(f"{join(key, name)} is passed to the data set; "
                                 f"did you mean '{join(key, hint[0])}'?")
     return out
+
+
+def check_built_set(key: str, value: Mapping[str, Any], split: str) -> dict[str, Any]:
+    """A data section that holds a built data set object under ``dataset`` (the Python API's
+    shape, used by ``trainrun.compat.mmengine``): its other keys are DataLoader options only."""
+    dataset = value["dataset"]
+    if not (isinstance(dataset, IterableDataset)
+            or (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))):
+        raise bad_value(f"{key}.dataset", dataset,
+                        "a data set object (with __getitem__ and __len__, or an IterableDataset)")
+    if "type" in value:
+        raise ConfigError(f"{key}: give either type (and the data set's options) or dataset "
+                          f"(a built data set), not both")
+    table = {name: entry for name, entry in loader_table(split).items() if name != "type"}
+    return {"dataset": dataset, **fields(key, {k: v for k, v in value.items() if k != "dataset"},
+                                         table)}
 
 
 SET_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # no '/': it separates val/<name>/<metric>

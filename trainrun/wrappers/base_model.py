@@ -62,6 +62,24 @@ def parse_losses(losses: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     return loss, log_vars
 
 
+def forward_arguments(model: nn.Module, data: Any, mode: str) -> tuple[tuple, dict[str, Any]]:
+    """The arguments ``model`` is called with on a batch: ``(data,), {'mode': mode}``, unless
+    the model inside the wrapper says otherwise with a ``forward_arguments(data, mode)`` method
+    of its own (``trainrun.compat.mmengine``'s models unpack the batch into ``forward``'s
+    arguments, as MMEngine calls them).
+
+    Args:
+        model: the model a step calls: a strategy's wrapper, or the model itself.
+        data: the batch, on the model's device.
+        mode: ``'loss'`` or ``'predict'``.
+
+    Returns:
+        The positional and the keyword arguments of the call.
+    """
+    own = getattr(getattr(model, "module", model), "forward_arguments", None)
+    return own(data, mode) if own is not None else ((data,), {"mode": mode})
+
+
 def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
               check: Callable[[Tensor], None] | None = None) -> dict[str, Tensor]:
     """Forward ``data`` through ``model`` in loss mode inside the optimiser's context, then
@@ -81,7 +99,8 @@ def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
         The values to log, as ``parse_losses`` gives them.
     """
     with optim_wrapper.optim_context(model), phase("forward"):
-        losses = model(data, mode="loss")
+        args, kwargs = forward_arguments(model, data, "loss")
+        losses = model(*args, **kwargs)
     loss, log_vars = parse_losses(losses)
     if check is not None:
         check(loss)

@@ -1,0 +1,120 @@
+"""``mmengine.hooks``: ``Hook`` with MMEngine's hook points, and ``HookAdapter``.
+
+An MMEngine hook's points differ from trainrun's in a few names and arguments
+(``after_val_epoch(runner, metrics)`` and ``after_val(runner)`` where trainrun has
+``after_val(runner, metrics)``). Given to trainrun's Runner inside ``HookAdapter``, such a
+hook has its MMEngine points called at the matching trainrun ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainrun.runner.hooks.base import NORMAL
+from trainrun.runner.hooks.base import Hook as _Hook
+
+# MMEngine's priority names and their numbers (lower runs first), as its ``Priority`` has them
+PRIORITIES = {"HIGHEST": 0, "VERY_HIGH": 10, "HIGH": 30, "ABOVE_NORMAL": 40, "NORMAL": 50,
+              "BELOW_NORMAL": 60, "LOW": 70, "VERY_LOW": 90, "LOWEST": 100}
+
+
+class Hook:
+    """Base class of an MMEngine-style hook: override the points you need; each does nothing
+    by default. trainrun's Runner calls them through ``HookAdapter``."""
+
+    priority: Any = "NORMAL"
+
+    def before_run(self, runner: Any) -> None: ...
+    def after_run(self, runner: Any) -> None: ...
+    def before_train(self, runner: Any) -> None: ...
+    def after_train(self, runner: Any) -> None: ...
+    def before_train_epoch(self, runner: Any) -> None: ...
+    def after_train_epoch(self, runner: Any) -> None: ...
+    def before_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None) -> None: ...
+    def after_train_iter(self, runner: Any, batch_idx: int, data_batch: Any = None,
+                         outputs: Any = None) -> None: ...
+    def before_val(self, runner: Any) -> None: ...
+    def after_val(self, runner: Any) -> None: ...
+    def before_val_epoch(self, runner: Any) -> None: ...
+    def after_val_epoch(self, runner: Any, metrics: dict | None = None) -> None: ...
+    def before_test(self, runner: Any) -> None: ...
+    def after_test(self, runner: Any) -> None: ...
+    def before_test_epoch(self, runner: Any) -> None: ...
+    def after_test_epoch(self, runner: Any, metrics: dict | None = None) -> None: ...
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None: ...
+
+
+def priority_number(priority: Any) -> int:
+    """A hook's priority as a number: MMEngine's names, or a number as it is.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(priority, str):
+        if priority.upper() not in PRIORITIES:
+            raise ValueError(f"hook priority {priority!r}: expected a number or one of "
+                             f"{', '.join(PRIORITIES)}")
+        return PRIORITIES[priority.upper()]
+    return int(priority)
+
+
+class HookAdapter(_Hook):
+    """One MMEngine-style hook, called at trainrun's hook points.
+
+    Args:
+        hook: the hook; its methods are found by MMEngine's names, so any object with some
+            of them works (a subclass of the compat ``Hook`` or of nothing).
+    """
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        self.priority = priority_number(getattr(hook, "priority", NORMAL))
+
+    def _call(self, name: str, *args: Any) -> None:
+        method = getattr(self.hook, name, None)
+        if method is not None:
+            method(*args)
+
+    def before_run(self, runner: Any) -> None:
+        self._call("before_run", runner)
+
+    def after_run(self, runner: Any) -> None:
+        self._call("after_run", runner)
+
+    def before_train(self, runner: Any) -> None:
+        self._call("before_train", runner)
+
+    def after_train(self, runner: Any) -> None:
+        self._call("after_train", runner)
+
+    def before_train_epoch(self, runner: Any) -> None:
+        self._call("before_train_epoch", runner)
+
+    def after_train_epoch(self, runner: Any) -> None:
+        self._call("after_train_epoch", runner)
+
+    def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
+        self._call("before_train_iter", runner, batch_idx, batch)
+
+    def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
+                         outputs: dict[str, Any]) -> None:
+        self._call("after_train_iter", runner, batch_idx, batch, outputs)
+
+    def before_val(self, runner: Any) -> None:
+        self._call("before_val", runner)
+        self._call("before_val_epoch", runner)
+
+    def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
+        self._call("after_val_epoch", runner, metrics)
+        self._call("after_val", runner)
+
+    def before_test(self, runner: Any) -> None:
+        self._call("before_test", runner)
+        self._call("before_test_epoch", runner)
+
+    def after_test(self, runner: Any, metrics: dict[str, float]) -> None:
+        self._call("after_test_epoch", runner, metrics)
+        self._call("after_test", runner)
+
+
+__all__ = ["Hook", "HookAdapter"]
