@@ -1,0 +1,1 @@
+"""Compatibility layers that let code written for other training frameworks run on trainrun."""

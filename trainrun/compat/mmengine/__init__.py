@@ -1,0 +1,1 @@
+"""MMEngine's import paths, backed by trainrun."""
