@@ -327,16 +327,19 @@ def _reduce_dict_body():
     data = dict(items if rank % 2 == 0 else reversed(items))  # keys in another order
     mean = dist.all_reduce_dict(data, "mean")
     assert mean is data  # reduced in place, as MMEngine's is, and returned
-    summed = dist.all_reduce_dict(dict(items), "sum", to_float=False)
+    summed = dist.all_reduce_dict(dict(items), "sum")
     ranks = range(world)
     assert list(mean) == [k for k, _ in (items if rank % 2 == 0 else reversed(items))]
     assert mean["loss"].dtype == torch.float64  # never narrowed
     exact_loss = sum(0.1 * (r + 1) for r in ranks) / world
     assert mean["loss"].item() == pytest.approx(exact_loss, rel=1e-14)  # summation order varies
-    assert torch.equal(mean["acc"], torch.tensor([sum(ranks), 2 * sum(ranks)]) / world)
-    assert mean["count"] == sum(r + 1 for r in ranks) / world
+    # integers keep their dtype: the mean is truncated, as MMEngine's is
+    assert mean["acc"].dtype == torch.int64
+    assert mean["acc"].tolist() == [sum(ranks) // world, 2 * sum(ranks) // world]
+    assert isinstance(mean["count"], int) and mean["count"] == sum(r + 1 for r in ranks) // world
     assert mean["lr"] == pytest.approx(1e-3)
     assert summed["acc"].dtype == torch.int64 and summed["count"] == sum(r + 1 for r in ranks)
+    assert summed["acc"].tolist() == [sum(ranks), 2 * sum(ranks)]
 
 
 def test_all_reduce_dict(on_ranks):
@@ -347,13 +350,39 @@ def _reduce_dict_mmengine_example():
     rank = dist.get_rank()
     data = {"key1": torch.arange(2, dtype=torch.int64) + 2 * rank,
             "key2": torch.arange(3, dtype=torch.int64) + 3 * rank}
-    dist.all_reduce_dict(data, to_float=False)  # MMEngine's example reads data afterwards
+    dist.all_reduce_dict(data)  # MMEngine's example reads data afterwards
     return {k: v.tolist() for k, v in data.items()}
 
 
 def test_all_reduce_dict_matches_mmengine_example(run_on):
     assert run_on(1)(_reduce_dict_mmengine_example) == [{"key1": [0, 1], "key2": [0, 1, 2]}]
     assert run_on(2)(_reduce_dict_mmengine_example) == [{"key1": [2, 4], "key2": [3, 5, 7]}] * 2
+
+
+def _reduce_dict_int64_body():
+    rank, world = dist.get_dist_info()
+    data = {"tokens": torch.tensor([rank + 1, 10 * (rank + 1)], dtype=torch.int64)}
+    dist.all_reduce_dict(data)
+    total = sum(r + 1 for r in range(world))
+    assert data["tokens"].dtype == torch.int64
+    assert data["tokens"].tolist() == [total, 10 * total]
+    return data["tokens"].tolist()
+
+
+def test_all_reduce_dict_keeps_int64(on_ranks, world_size):
+    total = sum(r + 1 for r in range(world_size))
+    assert on_ranks(_reduce_dict_int64_body) == [[total, 10 * total]] * world_size
+
+
+def _reduce_dict_not_a_dict_body():
+    with pytest.raises(TypeError, match="expected a dict .*; got str"):
+        dist.all_reduce_dict("foo")
+    with pytest.raises(TypeError, match="expected a dict .*; got list"):
+        dist.all_reduce_dict([torch.ones(1)])
+
+
+def test_all_reduce_dict_refuses_a_non_dict(on_ranks):
+    on_ranks(_reduce_dict_not_a_dict_body)
 
 
 def _reduce_params_body(coalesce, bucket_size_mb):

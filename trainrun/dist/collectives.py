@@ -444,23 +444,24 @@ def sync_random_seed(seed: int | None = None, group: ProcessGroup | None = None)
     return int(value.item())
 
 
-def _dict_value(value: Tensor | float | int, to_float: bool) -> Tensor:
-    """A dict value as a tensor: Python numbers as 64-bit, integers lifted to float on request."""
-    tensor = value if isinstance(value, Tensor) else torch.tensor(
-        value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
-    if to_float and not tensor.is_floating_point():
-        tensor = tensor.to(torch.float64 if not isinstance(value, Tensor) else torch.float32)
-    return tensor
+def _dict_value(value: Tensor | float | int) -> Tensor:
+    """A dict value as a tensor: a Python float as float64, an int (or bool) as int64."""
+    if isinstance(value, Tensor):
+        return value
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
 def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
-                    group: ProcessGroup | None = None, to_float: bool = True) -> dict:
+                    group: ProcessGroup | None = None) -> dict:
     """Reduce every value of a dict across ranks, in place, and return it.
 
     One flat collective per dtype reduces all the values. The dict is reduced in place (as
     MMEngine's is: code written for it logs ``data`` afterwards) and also returned. Keys may
     come in any order on each rank. Tensor values come back as tensors of their shape, numbers
-    as numbers.
+    as numbers, and every value keeps its dtype: an int64 tensor comes back int64, a Python
+    int (or bool) as an int. So 'mean' of an integer value is, as in MMEngine, the sum divided
+    by the world size and truncated towards zero to fit the dtype; a caller that wants an
+    exact mean passes floats (``float(count)``, ``tensor.double()``).
 
     Args:
         data: a dict of tensors or Python numbers, with the same keys on every rank. A
@@ -468,20 +469,22 @@ def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
         op: one of ``all_reduce``'s ops ('sum', 'mean', 'product', 'min', 'max', 'band',
             'bor', 'bxor').
         group: the process group; None for the default group.
-        to_float: reduce integer and bool values as floats (so 'mean' is exact), and return
-            them as floats; False keeps every value's dtype (an int64 tensor comes back
-            int64). Floating values always keep their dtype.
 
     Returns:
         ``data`` itself, every value reduced; for a mapping that cannot be changed, a new
         ordered dict of the reduced values in ``data``'s key order.
 
     Raises:
+        TypeError: when ``data`` is not a dict (or other mapping); the message names the type
+            it got.
         ValueError: when ``op`` is not one of the reduce ops; the message names them.
     """
+    if not isinstance(data, Mapping):
+        raise TypeError(f"all_reduce_dict expected a dict of tensors or numbers; got "
+                        f"{type(data).__name__}")
     op = reduce_op_name(op)
     keys = sorted(data)
-    tensors = {k: _dict_value(data[k], to_float) for k in keys}
+    tensors = {k: _dict_value(data[k]) for k in keys}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for key in keys:
         by_dtype.setdefault(tensors[key].dtype, []).append(key)
