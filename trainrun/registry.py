@@ -126,7 +126,8 @@ def resolve(kind: str, name: str) -> Any:
         kind: one of ``REGISTRIES``' keys (``"model"``, ``"dataset"``, ``"metric"``,
             ``"hook"``, ``"collate"``, ...).
         name: a registered short name or, when it contains a dot, an import path
-            ``pkg.module.Class`` or ``pkg.module:Class``.
+            ``pkg.module.Class`` or ``pkg.module:Class``; from Python, the class (or any
+            callable) itself, returned as it is.
 
     Returns:
         The object; call it with the config section's remaining options.
@@ -139,6 +140,8 @@ def resolve(kind: str, name: str) -> Any:
     if kind not in REGISTRIES:
         raise ValueError(f"unknown registry kind {kind!r}; the kinds are: "
                          f"{', '.join(REGISTRIES)}")
+    if callable(name) and not isinstance(name, str):
+        return name
     registry = REGISTRIES[kind]
     if name in registry:
         return registry[name]

@@ -58,6 +58,64 @@ def priority_number(priority: Any) -> int:
     return int(priority)
 
 
+class OptimWrapperView:
+    """trainrun's optimiser wrapper with MMEngine's ``get_lr()``: the rates by parameter
+    group, ``{'lr': [...]}``; everything else is the wrapper's own."""
+
+    def __init__(self, wrapper: Any, rates: list[float] | None = None) -> None:
+        self._wrapper = wrapper
+        self._rates = rates
+
+    def get_lr(self) -> dict[str, list[float]]:
+        """The rates of the iteration just trained, where the view knows them; else now."""
+        if self._rates is not None:
+            return {"lr": list(self._rates)}
+        return {"lr": [group["lr"] for group in self._wrapper.optimizer.param_groups]}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapper, name)
+
+
+class RunnerView:
+    """trainrun's runner as an MMEngine hook sees it at one hook point.
+
+    trainrun counts an iteration (``runner.iter``) before its ``after_train_iter`` hooks and an
+    epoch (``runner.epoch``) before its ``after_train_epoch`` hooks; MMEngine counts them
+    after. So at those points the view gives the 0-based iteration or epoch just trained, as
+    MMEngine's runner does; after an iteration, ``optim_wrapper.get_lr()`` gives the rates it
+    trained with (trainrun has already stepped its schedulers). Everything else is the
+    runner's own.
+
+    Args:
+        runner: trainrun's runner.
+        iter_offset: subtracted from ``runner.iter``.
+        epoch_offset: subtracted from ``runner.epoch``.
+        rates: the learning rates to report, by parameter group; None: the optimiser's now.
+    """
+
+    def __init__(self, runner: Any, iter_offset: int = 0, epoch_offset: int = 0,
+                 rates: list[float] | None = None) -> None:
+        self._runner = runner
+        self._iter_offset = iter_offset
+        self._epoch_offset = epoch_offset
+        self._rates = rates
+
+    @property
+    def iter(self) -> int:
+        return self._runner.iter - self._iter_offset
+
+    @property
+    def epoch(self) -> int:
+        return self._runner.epoch - self._epoch_offset
+
+    @property
+    def optim_wrapper(self) -> OptimWrapperView:
+        return OptimWrapperView(self._runner.optim_wrapper, self._rates)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+
 class HookAdapter(_Hook):
     """One MMEngine-style hook, called at trainrun's hook points.
 
@@ -69,11 +127,13 @@ class HookAdapter(_Hook):
     def __init__(self, hook: Any) -> None:
         self.hook = hook
         self.priority = priority_number(getattr(hook, "priority", NORMAL))
+        self._rates: list[float] | None = None  # the rates of the iteration being trained
 
-    def _call(self, name: str, *args: Any) -> None:
+    def _call(self, name: str, runner: Any, *args: Any, iter_offset: int = 0,
+              epoch_offset: int = 0, rates: list[float] | None = None) -> None:
         method = getattr(self.hook, name, None)
         if method is not None:
-            method(*args)
+            method(RunnerView(runner, iter_offset, epoch_offset, rates), *args)
 
     def before_run(self, runner: Any) -> None:
         self._call("before_run", runner)
@@ -91,14 +151,18 @@ class HookAdapter(_Hook):
         self._call("before_train_epoch", runner)
 
     def after_train_epoch(self, runner: Any) -> None:
-        self._call("after_train_epoch", runner)
+        self._call("after_train_epoch", runner, epoch_offset=1)
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
+        wrapper = getattr(runner, "optim_wrapper", None)
+        optimizer = getattr(wrapper, "optimizer", None)
+        self._rates = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
         self._call("before_train_iter", runner, batch_idx, batch)
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
-        self._call("after_train_iter", runner, batch_idx, batch, outputs)
+        self._call("after_train_iter", runner, batch_idx, batch, outputs, iter_offset=1,
+                   rates=self._rates)
 
     def before_val(self, runner: Any) -> None:
         self._call("before_val", runner)

@@ -1,0 +1,452 @@
+"""``mmengine.runner``: ``Runner`` with MMEngine's constructor arguments and ``from_cfg``.
+
+It translates MMEngine's arguments into trainrun's Runner (``trainrun.runner.runner.Runner``)
+and is that Runner: the same loop, strategies, checkpoints, heartbeat and run-directory lock.
+The translation keeps what decides MMEngine's numbers (see docs/mmengine.md): the seed before
+the model is built, ``DefaultSampler``'s order, loaders that draw their base seed from the
+global generator, MMEngine's worker seeds, by-epoch schedules turned into iterations as
+MMEngine's ``convert_to_iter_based`` does, and a loss that is each rank's own. An argument or
+option with no trainrun equivalent is refused with a ``ConfigError`` naming it; nothing is
+ignored.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainrun.compat.mmengine.dataset import DefaultSampler, pseudo_collate
+from trainrun.compat.mmengine.evaluator import Evaluator
+from trainrun.compat.mmengine.hooks import HookAdapter
+from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS
+from trainrun.dist import get_dist_info, init_dist, is_distributed, sync_random_seed
+from trainrun.runner.hooks.base import Hook as TrainrunHook
+from trainrun.runner.runner import Runner as TrainrunRunner
+from trainrun.runner.schema import ConfigError
+
+# MMEngine's loop types and what trainrun's schedule calls them
+LOOPS = {"EpochBasedTrainLoop": True, "IterBasedTrainLoop": False}
+LOADER_KEYS = {"dataset", "sampler", "batch_size", "num_workers", "persistent_workers",
+               "collate_fn", "pin_memory", "drop_last"}
+# MMEngine's default hooks: the ones trainrun has an equivalent of read their options
+DEFAULT_HOOK_TYPES = {"runtime_info": "RuntimeInfoHook", "timer": "IterTimerHook",
+                      "sampler_seed": "DistSamplerSeedHook", "logger": "LoggerHook",
+                      "param_scheduler": "ParamSchedulerHook", "checkpoint": "CheckpointHook"}
+
+
+def refused(key: str, value: Any, why: str = "") -> ConfigError:
+    """The one-line refusal of an argument or option trainrun cannot honour."""
+    return ConfigError(f"{key}={value!r}: not supported by trainrun.compat.mmengine"
+                       + (f"; {why}" if why else ""))
+
+
+def type_name(value: Any) -> str:
+    """A config's ``type``: a string as it is, a class or function by its name."""
+    return value if isinstance(value, str) else getattr(value, "__name__", repr(value))
+
+
+def only(key: str, section: Mapping[str, Any], allowed: set[str]) -> None:
+    """Refuse the first key of ``section`` that is not in ``allowed``."""
+    for name in section:
+        if name not in allowed:
+            raise refused(f"{key}.{name}", section[name],
+                          f"{key} takes {', '.join(sorted(allowed))}")
+
+
+# ---------------------------------------------------------------- loaders
+
+
+def mmengine_worker_seed(worker_id: int, num_workers: int, rank: int, seed: int) -> None:
+    """Seed a loader worker as MMEngine does: numpy, random and torch with
+    ``num_workers * rank + worker_id + seed``."""
+    worker_seed = num_workers * rank + worker_id + seed
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+    torch.manual_seed(worker_seed)
+
+
+def collate_function(key: str, value: Any) -> Callable:
+    """The loader's ``collate_fn``: a callable, or ``dict(type=name or function)`` looked up
+    in ``FUNCTIONS``; MMEngine's default ``pseudo_collate`` when absent."""
+    if value is None:
+        return pseudo_collate
+    if callable(value):
+        return value
+    if isinstance(value, Mapping) and set(value) == {"type"}:
+        function = value["type"]
+        if callable(function):
+            return function
+        found = FUNCTIONS.get(function)
+        if found is None:
+            raise ConfigError(f"{key}.type: unknown function {function!r}; the known ones: "
+                              f"{', '.join(FUNCTIONS.names())}")
+        return found
+    raise refused(key, value, "give a function or dict(type=<function name>)")
+
+
+def build_loader(key: str, cfg: Any, seed: int, train: bool) -> DataLoader | None:
+    """A DataLoader from MMEngine's dataloader dict (or a DataLoader as it is): the data set
+    (an object or a config dict for ``DATASETS``), ``DefaultSampler`` seeded with ``seed``, no
+    generator of its own (each pass draws its base seed from the global generator, as
+    MMEngine's loaders do) and MMEngine's worker seeds."""
+    if cfg is None or isinstance(cfg, DataLoader):
+        return cfg
+    if not isinstance(cfg, Mapping):
+        raise refused(key, cfg, "give a dict or a DataLoader")
+    only(key, cfg, LOADER_KEYS)
+    dataset = cfg.get("dataset")
+    if isinstance(dataset, Mapping):
+        dataset = DATASETS.build(dataset)
+    if dataset is None:
+        raise ConfigError(f"{key}.dataset: missing")
+    sampler_cfg = dict(cfg.get("sampler") or {"type": "DefaultSampler"})
+    kind = type_name(sampler_cfg.pop("type", "DefaultSampler"))
+    if kind != "DefaultSampler":
+        raise refused(f"{key}.sampler.type", kind, "use DefaultSampler")
+    only(f"{key}.sampler", sampler_cfg, {"shuffle", "seed", "round_up"})
+    try:
+        sampler = DefaultSampler(dataset, seed=sampler_cfg.pop("seed", seed), **sampler_cfg)
+    except ValueError as error:
+        raise ConfigError(f"{key}.sampler: {error}") from None
+    workers = cfg.get("num_workers", 0)
+    rank, _ = get_dist_info()
+    return DataLoader(
+        dataset, batch_size=cfg.get("batch_size", 1), sampler=sampler,
+        num_workers=workers, collate_fn=collate_function(f"{key}.collate_fn",
+                                                         cfg.get("collate_fn")),
+        pin_memory=cfg.get("pin_memory", False),
+        persistent_workers=cfg.get("persistent_workers", False) and workers > 0,
+        drop_last=cfg.get("drop_last", False),
+        worker_init_fn=partial(mmengine_worker_seed, num_workers=workers, rank=rank, seed=seed)
+        if workers > 0 else None)
+
+
+# ---------------------------------------------------------------- optimiser and schedules
+
+
+def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
+    """trainrun's ``optim`` section and ``precision`` from MMEngine's ``optim_wrapper``."""
+    if cfg is None:
+        return None, "fp32"
+    if not isinstance(cfg, Mapping):
+        raise refused("optim_wrapper", cfg, "give a dict")
+    cfg = dict(cfg)
+    kind = type_name(cfg.pop("type", "OptimWrapper"))
+    if kind not in ("OptimWrapper", "AmpOptimWrapper"):
+        raise refused("optim_wrapper.type", kind, "use OptimWrapper or AmpOptimWrapper")
+    precision = "fp32"
+    if kind == "AmpOptimWrapper":
+        dtype = cfg.pop("dtype", None)
+        names = {None: "fp16", "float16": "fp16", torch.float16: "fp16",
+                 "bfloat16": "bf16", torch.bfloat16: "bf16"}
+        if dtype not in names:
+            raise refused("optim_wrapper.dtype", dtype, "use 'float16' or 'bfloat16'")
+        precision = names[dtype]
+    only("optim_wrapper", cfg, {"optimizer", "clip_grad", "accumulative_counts",
+                                "paramwise_cfg"})
+    optimizer = dict(cfg.get("optimizer") or {})
+    if "type" not in optimizer:
+        raise ConfigError("optim_wrapper.optimizer.type: missing (e.g. dict(type='SGD', lr=0.1))")
+    section: dict[str, Any] = {**optimizer, "type": type_name(optimizer["type"])}
+    clip = cfg.get("clip_grad")
+    if clip is not None:
+        clip = dict(clip)
+        if clip.pop("type", "norm") != "norm":
+            raise refused("optim_wrapper.clip_grad.type", "value", "trainrun clips the norm")
+        section["clip_grad"] = clip
+    section["accumulate"] = cfg.get("accumulative_counts", 1)
+    if cfg.get("paramwise_cfg"):
+        paramwise = dict(cfg["paramwise_cfg"])
+        only("optim_wrapper.paramwise_cfg", paramwise,
+             {"norm_decay_mult", "bias_decay_mult", "custom_keys"})
+        section["paramwise"] = paramwise
+    return section, precision
+
+
+def scheduler_section(cfg: Any, epoch_length: int, total_iters: int) -> dict[str, Any] | None:
+    """trainrun's ``scheduler`` section for MMEngine's ``param_scheduler``: one scheduler, or a
+    linear warmup (``LinearLR``) followed by one, with epochs turned into iterations
+    (``epoch_length`` each) as ``convert_to_iter_based`` does."""
+    if cfg is None:
+        return None
+    items = [dict(c) for c in (cfg if isinstance(cfg, Sequence) else [cfg])]
+    warmup = None
+    if len(items) == 2 and type_name(items[0].get("type")) == "LinearLR":
+        warmup = items.pop(0)
+    if len(items) != 1:
+        raise refused("param_scheduler", cfg, "one scheduler, or LinearLR (a warmup) and one")
+
+    def iters(item: dict[str, Any], key: str, value: Any) -> int:
+        return value * epoch_length if item.get("by_epoch", True) else value
+
+    out: dict[str, Any] = {}
+    if warmup is not None:
+        only("param_scheduler[0]", warmup, {"type", "start_factor", "end_factor", "begin", "end",
+                                            "by_epoch", "convert_to_iter_based"})
+        if warmup.get("begin", 0) != 0 or warmup.get("end_factor", 1.0) != 1.0:
+            raise refused("param_scheduler[0]", warmup,
+                          "a warmup LinearLR begins at 0 and ends at end_factor 1.0")
+        out["warmup_iters"] = iters(warmup, "end", warmup["end"])
+        out["warmup_start_factor"] = warmup.get("start_factor", 1 / 3)
+    main = items[0]
+    kind = type_name(main.pop("type", None))
+    main.pop("convert_to_iter_based", None)
+    by_epoch = main.pop("by_epoch", True)
+    begin, end = main.pop("begin", 0), main.pop("end", None)
+    span_end = total_iters if end is None else (end * epoch_length if by_epoch else end)
+    if begin != 0 or span_end != total_iters:
+        raise refused("param_scheduler", cfg, "a scheduler spans the whole run (begin 0, no "
+                      "end before the last iteration)")
+    scale = epoch_length if by_epoch else 1
+    if kind == "MultiStepLR":
+        only("param_scheduler", main, {"milestones", "gamma"})
+        return {**out, "type": "multistep", "milestones": [m * scale for m in main["milestones"]],
+                "gamma": main.get("gamma", 0.1)}
+    if kind == "StepLR":
+        only("param_scheduler", main, {"step_size", "gamma"})
+        return {**out, "type": "step", "step_size": main["step_size"] * scale,
+                "gamma": main.get("gamma", 0.1)}
+    if kind == "ExponentialLR":
+        only("param_scheduler", main, {"gamma"})
+        return {**out, "type": "step" if by_epoch else "exponential", "gamma": main["gamma"],
+                **({"step_size": epoch_length} if by_epoch else {})}
+    if kind in ("CosineAnnealingLR", "PolyLR"):
+        keys = {"T_max", "eta_min"} if kind == "CosineAnnealingLR" else {"eta_min", "power"}
+        only("param_scheduler", main, keys)
+        if kind == "CosineAnnealingLR" and "T_max" in main \
+                and main["T_max"] * scale != total_iters:
+            raise refused("param_scheduler.T_max", main["T_max"], "T_max spans the whole run")
+        return {**out, "type": "cosine" if kind == "CosineAnnealingLR" else "poly",
+                "min_lr": main.get("eta_min", 0.0),
+                **({"power": main.get("power", 1.0)} if kind == "PolyLR" else {})}
+    raise refused("param_scheduler.type", kind, "use MultiStepLR, StepLR, ExponentialLR, "
+                  "CosineAnnealingLR, PolyLR, or LinearLR as a warmup before one of them")
+
+
+# ---------------------------------------------------------------- hooks
+
+
+def hook_sections(default_hooks: Mapping[str, Any] | None, by_epoch: bool
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """trainrun's ``checkpoint`` and ``logging`` sections from MMEngine's ``default_hooks``."""
+    checkpoint: dict[str, Any] = {"interval": 1}
+    logging: dict[str, Any] = {}
+    for name, cfg in (default_hooks or {}).items():
+        if name not in DEFAULT_HOOK_TYPES:
+            raise refused(f"default_hooks.{name}", cfg,
+                          f"the default hooks are {', '.join(DEFAULT_HOOK_TYPES)}")
+        if cfg is None:
+            raise refused(f"default_hooks.{name}", None, "trainrun's runs keep every default "
+                          "hook (leave the entry out)")
+        cfg = dict(cfg)
+        kind = type_name(cfg.pop("type", DEFAULT_HOOK_TYPES[name]))
+        if kind != DEFAULT_HOOK_TYPES[name]:
+            raise refused(f"default_hooks.{name}.type", kind, f"use {DEFAULT_HOOK_TYPES[name]}")
+        if name == "checkpoint":
+            only("default_hooks.checkpoint", cfg,
+                 {"interval", "by_epoch", "max_keep_ckpts", "save_last", "save_best", "rule"})
+            if cfg.pop("by_epoch", by_epoch) != by_epoch:
+                raise refused("default_hooks.checkpoint.by_epoch", not by_epoch,
+                              "checkpoints count what the training loop counts")
+            checkpoint = {"interval": cfg.get("interval", 1),
+                          "max_keep": cfg.get("max_keep_ckpts", -1),
+                          "save_last": cfg.get("save_last", True)}
+            if cfg.get("save_best") not in (None, "auto"):
+                checkpoint["save_best"] = cfg["save_best"]
+                if cfg.get("rule"):
+                    checkpoint["best_rule"] = cfg["rule"]
+        elif name == "logger":
+            only("default_hooks.logger", cfg, {"interval"})
+            logging["interval"] = cfg.get("interval", 10)
+        else:
+            only(f"default_hooks.{name}", cfg, set())
+    return checkpoint, logging
+
+
+def build_custom_hooks(cfgs: Sequence[Any] | None) -> list[TrainrunHook]:
+    """MMEngine's ``custom_hooks``: hook objects or config dicts for ``HOOKS``, each given to
+    trainrun's Runner inside ``HookAdapter`` (a trainrun hook as it is)."""
+    built = []
+    for i, cfg in enumerate(cfgs or ()):
+        hook = HOOKS.build(cfg) if isinstance(cfg, Mapping) else cfg
+        if hook is None:
+            raise ConfigError(f"custom_hooks[{i}]: built nothing")
+        built.append(hook if isinstance(hook, TrainrunHook) else HookAdapter(hook))
+    return built
+
+
+# ---------------------------------------------------------------- the runner
+
+
+def evaluator_metrics(key: str, cfg: Any) -> list[Any] | None:
+    """The metrics of MMEngine's ``val_evaluator``/``test_evaluator``."""
+    if cfg is None:
+        return None
+    if isinstance(cfg, Evaluator):
+        return cfg.metrics
+    if isinstance(cfg, Mapping) and type_name(cfg.get("type")) == "Evaluator":
+        cfg = cfg.get("metrics")
+    try:
+        return Evaluator(cfg).metrics
+    except (KeyError, TypeError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+
+
+def loop_section(train_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """trainrun's ``schedule`` from MMEngine's ``train_cfg``."""
+    cfg = dict(train_cfg or {})
+    by_epoch = cfg.pop("by_epoch", None)
+    kind = cfg.pop("type", None)
+    if kind is not None:
+        if type_name(kind) not in LOOPS:
+            raise refused("train_cfg.type", type_name(kind), f"use {' or '.join(LOOPS)}")
+        by_epoch = LOOPS[type_name(kind)]
+    by_epoch = True if by_epoch is None else by_epoch
+    only("train_cfg", cfg, {"max_epochs", "val_interval", "val_begin"} if by_epoch
+         else {"max_iters", "val_interval", "val_begin"})
+    if cfg.pop("val_begin", 1) != 1:
+        raise refused("train_cfg.val_begin", train_cfg["val_begin"], "validation begins at 1")
+    length = "max_epochs" if by_epoch else "max_iters"
+    if length not in cfg:
+        raise ConfigError(f"train_cfg.{length}: missing")
+    return {length: cfg[length], "val_interval": cfg.get("val_interval", 1)}
+
+
+def checked_loop_cfg(key: str, cfg: Any) -> None:
+    """``val_cfg``/``test_cfg``: empty, or MMEngine's plain loop by type."""
+    cfg = dict(cfg or {})
+    kind = type_name(cfg.pop("type", "ValLoop" if key == "val_cfg" else "TestLoop"))
+    if kind not in ("ValLoop", "TestLoop"):
+        raise refused(f"{key}.type", kind, "use ValLoop or TestLoop")
+    only(key, cfg, set())
+
+
+def join(launcher: str, env_cfg: Mapping[str, Any] | None) -> bool:
+    """Join the job's process group as MMEngine's ``setup_env`` does (with env_cfg's
+    backend; trainrun's 'auto' when none is given), unless one is up; whether it joined."""
+    env_cfg = dict(env_cfg or {})
+    only("env_cfg", env_cfg, {"dist_cfg", "cudnn_benchmark", "mp_cfg"})
+    if env_cfg.get("cudnn_benchmark"):
+        torch.backends.cudnn.benchmark = True
+    mp_cfg = dict(env_cfg.get("mp_cfg") or {})
+    only("env_cfg.mp_cfg", mp_cfg, {"mp_start_method", "opencv_num_threads"})
+    if "mp_start_method" in mp_cfg:
+        torch.multiprocessing.set_start_method(mp_cfg["mp_start_method"], force=True)
+    dist_cfg = dict(env_cfg.get("dist_cfg") or {})
+    only("env_cfg.dist_cfg", dist_cfg, {"backend", "timeout"})
+    if launcher == "none" or is_distributed():
+        return False
+    init_dist(launcher, dist_cfg.get("backend", "auto"), timeout=dist_cfg.get("timeout"))
+    return True
+
+
+class Runner(TrainrunRunner):
+    """MMEngine's Runner: its constructor arguments, translated into trainrun's Runner.
+
+    The arguments are MMEngine's (see its documentation); the ones trainrun supports, and how
+    they map, are in docs/mmengine.md. ``train()``, ``val()`` and ``test()`` are trainrun's.
+
+    Raises:
+        ConfigError: an argument or option with no trainrun equivalent (named), or what
+            trainrun's Runner refuses.
+    """
+
+    def __init__(self, model: nn.Module | Mapping[str, Any], work_dir: str,
+                 train_dataloader: Any = None, val_dataloader: Any = None,
+                 test_dataloader: Any = None, train_cfg: Mapping[str, Any] | None = None,
+                 val_cfg: Mapping[str, Any] | None = None,
+                 test_cfg: Mapping[str, Any] | None = None,
+                 auto_scale_lr: Mapping[str, Any] | None = None, optim_wrapper: Any = None,
+                 param_scheduler: Any = None, val_evaluator: Any = None,
+                 test_evaluator: Any = None, default_hooks: Mapping[str, Any] | None = None,
+                 custom_hooks: Sequence[Any] | None = None, data_preprocessor: Any = None,
+                 load_from: str | None = None, resume: bool = False, launcher: str = "none",
+                 env_cfg: Mapping[str, Any] | None = None, log_processor: Any = None,
+                 log_level: str = "INFO", visualizer: Any = None,
+                 default_scope: str | None = "mmengine",
+                 randomness: Mapping[str, Any] | None = None, experiment_name: str | None = None,
+                 cfg: Any = None) -> None:
+        for key, value, neutral in (("auto_scale_lr", auto_scale_lr, (None,)),
+                                    ("visualizer", visualizer, (None,)),
+                                    ("log_processor", log_processor, (None,)),
+                                    ("experiment_name", experiment_name, (None,)),
+                                    ("log_level", log_level, ("INFO",)),
+                                    ("default_scope", default_scope, (None, "mmengine"))):
+            if value not in neutral:
+                raise refused(key, value)
+        for split, loader, loop, evaluator in (
+                ("val", val_dataloader, val_cfg, val_evaluator),
+                ("test", test_dataloader, test_cfg, test_evaluator)):
+            given = [x is not None for x in (loader, loop, evaluator)]
+            if any(given) and not all(given):
+                raise ConfigError(f"{split}_dataloader, {split}_cfg and {split}_evaluator: give "
+                                  f"all three or none (as MMEngine requires)")
+            if loop is not None:
+                checked_loop_cfg(f"{split}_cfg", loop)
+        randomness = dict(randomness or {})
+        only("randomness", randomness, {"seed", "deterministic", "diff_rank_seed"})
+        if randomness.get("diff_rank_seed"):
+            raise refused("randomness.diff_rank_seed", True)
+        joined = join(launcher, env_cfg)
+        try:
+            seed = randomness.get("seed")
+            randomness["seed"] = sync_random_seed() if seed is None else seed
+            if isinstance(model, Mapping):
+                model = dict(model)
+                if data_preprocessor is not None:
+                    model.setdefault("data_preprocessor", data_preprocessor)
+            schedule = loop_section(train_cfg) if train_dataloader is not None else None
+            by_epoch = schedule is None or "max_epochs" in schedule
+            train_loader = build_loader("train_dataloader", train_dataloader,
+                                        randomness["seed"], True)
+            optim, precision = optim_section(optim_wrapper)
+            scheduler = None
+            if train_loader is not None and param_scheduler is not None:
+                length = len(train_loader)
+                total = schedule["max_epochs"] * length if by_epoch else schedule["max_iters"]
+                scheduler = scheduler_section(param_scheduler, length, total)
+            checkpoint, logging = hook_sections(default_hooks, by_epoch)
+            super().__init__(
+                model=model, work_dir=work_dir, train_dataloader=train_loader,
+                val_dataloader=build_loader("val_dataloader", val_dataloader,
+                                            randomness["seed"], False),
+                test_dataloader=build_loader("test_dataloader", test_dataloader,
+                                             randomness["seed"], False),
+                optim=optim, scheduler=scheduler,
+                strategy={"type": "ddp", "broadcast_buffers": False}, precision=precision,
+                schedule=schedule, val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
+                test_metrics=evaluator_metrics("test_evaluator", test_evaluator),
+                hooks=build_custom_hooks(custom_hooks),
+                randomness=randomness, logging=logging or None, checkpoint=checkpoint,
+                resume=load_from if resume and load_from else bool(resume),
+                load_from=None if resume else load_from, launcher="none")
+        except BaseException:
+            if joined:
+                from trainrun.dist import leave_dist
+
+                leave_dist()
+            raise
+        self._owns_group = joined  # trainrun's close() leaves the group this runner joined
+        self.mmengine_cfg = cfg
+
+    @classmethod
+    def from_cfg(cls, cfg: Mapping[str, Any]) -> Runner:  # type: ignore[override]
+        """A runner from an MMEngine config (a ``Config`` or a dict of the constructor's
+        arguments); keys the constructor does not take are refused."""
+        import inspect
+
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "cfg"}
+        for key in cfg:
+            if key not in accepted and key not in ("runner_type",):
+                raise refused(key, cfg[key], "not an argument of MMEngine's Runner")
+        return cls(**{key: cfg[key] for key in cfg if key in accepted}, cfg=cfg)
+
+
+__all__ = ["Runner"]
