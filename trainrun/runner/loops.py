@@ -6,7 +6,7 @@ walks the data epoch by epoch, so the sampler's epoch and cursor always say wher
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -45,6 +45,22 @@ def start_epoch(loader: DataLoader, epoch: int, seed: int, from_cursor: bool = F
         loader.generator.manual_seed(seed + epoch)
 
 
+def pass_over(loader: DataLoader, resumed: bool) -> Iterator[Any]:
+    """An iterator over ``loader``'s (rest of the) epoch.
+
+    A loader without a generator of its own (``trainrun.compat.mmengine``'s, as MMEngine's)
+    draws its base seed from the global generator when an epoch begins. A run resumed inside
+    an epoch restored the global state from after that draw, so its draw is undone: the
+    random numbers that follow are those of the run that was never stopped.
+    """
+    if not resumed or loader.generator is not None:
+        return iter(loader)
+    state = torch.get_rng_state()
+    iterator = iter(loader)
+    torch.set_rng_state(state)
+    return iterator
+
+
 class TrainLoop:
     """Runs epochs until ``max_epochs`` epochs or ``max_iters`` iterations are done.
 
@@ -72,7 +88,8 @@ class TrainLoop:
         the check for a stop signal. An epoch that ends calls ``after_train_epoch`` in the
         same order. A hook's `request_stop` ends the loop after the step's hooks."""
         runner, loader = self.runner, self.dataloader
-        start_epoch(loader, runner.epoch, runner.seed, from_cursor=self.resume_mid_epoch)
+        resumed = self.resume_mid_epoch
+        start_epoch(loader, runner.epoch, runner.seed, from_cursor=resumed)
         self.resume_mid_epoch = False
         sampler = loader.sampler
         resumable = isinstance(sampler, ResumableSampler)  # it keeps where the epoch is
@@ -84,7 +101,7 @@ class TrainLoop:
         finished = True
         at_step(runner.iter + 1)
         set_phase("data loading")
-        for batch_idx, batch in enumerate(loader):
+        for batch_idx, batch in enumerate(pass_over(loader, resumed)):
             set_phase("hooks")
             for hook in before_iter:
                 hook(runner, batch_idx, batch)

@@ -19,14 +19,13 @@ import os.path as osp
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset
-
 from mmengine.dist import get_rank
 from mmengine.evaluator import BaseMetric
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS
 from mmengine.runner import Runner
+from torch.utils.data import Dataset
 
 NUM_FEATURES = 16
 NUM_CLASSES = 4

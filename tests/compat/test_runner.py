@@ -1,0 +1,146 @@
+"""The compat Runner: MMEngine's arguments, refused by name where trainrun cannot honour them;
+``from_cfg`` with an MMEngine Python config; and trainrun's exact resume inside an epoch, with
+MMEngine's loaders (no generator of their own) and a model that draws random numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from trainrun.compat.mmengine.config import Config
+from trainrun.compat.mmengine.model import BaseModel
+from trainrun.compat.mmengine.registry import DATASETS, MODELS
+from trainrun.compat.mmengine.runner import Runner
+from trainrun.runner.schema import ConfigError
+
+
+@DATASETS.register_module(force=True)
+class CompatPoints(Dataset):
+    """40 points of 6 features in 3 classes, as dicts."""
+
+    def __init__(self, size: int = 40):
+        generator = torch.Generator().manual_seed(3)
+        self.x = torch.randn(size, 6, generator=generator)
+        self.y = (self.x[:, 0] > 0).long() + (self.x[:, 1] > 0.5).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"inputs": self.x[index], "labels": self.y[index]}
+
+
+@MODELS.register_module(force=True)
+class DropoutNet(BaseModel):
+    """Draws from the global generator every step (dropout): a resume that restored the wrong
+    random state shows in the losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+    def forward(self, inputs, labels, mode="tensor"):
+        scores = self.net(inputs)
+        return {"loss": F.cross_entropy(scores, labels)} if mode == "loss" else (scores, labels)
+
+
+def arguments(work_dir: Path, **changes) -> dict:
+    """An iteration-based MMEngine run: 16 iterations of 5 batches an epoch, a checkpoint every
+    4 iterations, every iteration logged."""
+    return {
+        "model": {"type": "DropoutNet"}, "work_dir": str(work_dir),
+        "train_dataloader": {"dataset": {"type": "CompatPoints"}, "batch_size": 8,
+                             "sampler": {"type": "DefaultSampler", "shuffle": True},
+                             "collate_fn": {"type": "default_collate"}},
+        "train_cfg": {"type": "IterBasedTrainLoop", "max_iters": 16},
+        "optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1, "momentum": 0.9}},
+        "param_scheduler": {"type": "MultiStepLR", "by_epoch": False, "milestones": [10]},
+        "default_hooks": {"checkpoint": {"type": "CheckpointHook", "interval": 4,
+                                         "by_epoch": False},
+                          "logger": {"type": "LoggerHook", "interval": 1}},
+        "randomness": {"seed": 7}, **changes}
+
+
+def train_losses(**kwargs) -> dict[int, float]:
+    runner = Runner(**kwargs)
+    runner.train()
+    runner.close()
+    lines = (Path(kwargs["work_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_a_run_resumed_inside_an_epoch_gives_the_losses_of_the_unbroken_run(tmp_path: Path):
+    straight = train_losses(**arguments(tmp_path / "straight"))
+    assert sorted(straight) == list(range(1, 17))
+    checkpoint = tmp_path / "straight" / "checkpoints" / "iter_12.pth"
+    resumed = train_losses(**arguments(tmp_path / "resumed", resume=True,
+                                       load_from=str(checkpoint)))
+    after = {step: loss for step, loss in resumed.items() if step > 12}
+    assert sorted(after) == [13, 14, 15, 16]  # iteration 13 is inside the third epoch
+    assert after == {step: straight[step] for step in after}
+
+
+def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
+    config = tmp_path / "config.py"
+    config.write_text(
+        "model = dict(type='DropoutNet')\n"
+        f"work_dir = {str(tmp_path / 'run')!r}\n"
+        "train_dataloader = dict(dataset=dict(type='CompatPoints'), batch_size=8,\n"
+        "                        sampler=dict(type='DefaultSampler', shuffle=True),\n"
+        "                        collate_fn=dict(type='default_collate'))\n"
+        "train_cfg = dict(by_epoch=True, max_epochs=2)\n"
+        "optim_wrapper = dict(optimizer=dict(type='SGD', lr=0.1))\n"
+        "randomness = dict(seed=1)\n")
+    runner = Runner.from_cfg(Config.fromfile(config))
+    runner.train()
+    runner.close()
+    assert (tmp_path / "run" / "checkpoints" / "epoch_2.pth").exists()
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"auto_scale_lr": {"enable": True, "base_batch_size": 16}}, "auto_scale_lr"),
+    ({"randomness": {"seed": 1, "diff_rank_seed": True}}, "randomness.diff_rank_seed"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"type": "value", "clip_value": 1}}},
+     "optim_wrapper.clip_grad.type"),
+    ({"optim_wrapper": {"type": "ApexOptimWrapper", "optimizer": {"type": "SGD", "lr": 0.1}}},
+     "optim_wrapper.type"),
+    ({"param_scheduler": {"type": "OneCycleLR", "eta_max": 0.1}}, "param_scheduler.type"),
+    ({"param_scheduler": {"type": "MultiStepLR", "by_epoch": False, "milestones": [4],
+                          "end": 8}}, "param_scheduler"),
+    ({"default_hooks": {"visualization": {"type": "VisualizationHook"}}},
+     "default_hooks.visualization"),
+    ({"default_hooks": {"checkpoint": {"type": "CheckpointHook", "out_dir": "/x"}}},
+     "default_hooks.checkpoint.out_dir"),
+    ({"train_cfg": {"type": "IterBasedTrainLoop", "max_iters": 16, "val_begin": 2}},
+     "train_cfg.val_begin"),
+    ({"env_cfg": {"dist_cfg": {"backend": "gloo"}, "cudnn_determinstic": True}},
+     "env_cfg.cudnn_determinstic"),
+    ({"visualizer": {"type": "Visualizer"}}, "visualizer"),
+    ({"val_cfg": {}}, "val_dataloader, val_cfg and val_evaluator"),
+])
+def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: dict,
+                                                        named: str):
+    with pytest.raises(ConfigError) as refusal:
+        Runner(**arguments(tmp_path / "run", **change))
+    assert str(refusal.value).startswith(named), str(refusal.value)
+    assert "\n" not in str(refusal.value)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_a_sampler_other_than_the_default_is_refused(tmp_path: Path):
+    loader = {"dataset": {"type": "CompatPoints"}, "batch_size": 8,
+              "sampler": {"type": "InfiniteSampler", "shuffle": True}}
+    with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='InfiniteSampler'"):
+        Runner(**arguments(tmp_path / "run", train_dataloader=loader))
+
+
+def test_from_cfg_refuses_a_key_the_runner_does_not_take(tmp_path: Path):
+    with pytest.raises(ConfigError, match="^visualiser="):
+        Runner.from_cfg({**arguments(tmp_path / "run"), "visualiser": None})
