@@ -226,12 +226,15 @@ class PartBuilder:
         return False, -(-max_iters // steps_per_epoch) if steps_per_epoch else 0, max_iters
 
     @staticmethod
-    def schedulers(cfg: Mapping[str, Any] | None, optimizer: Any, max_iters: int) -> list[Any]:
-        """The learning-rate schedulers the ``scheduler`` section describes, one per
-        optimiser; none without it or without an optimiser."""
+    def schedulers(cfg: Mapping[str, Any] | Callable[[Any, int], Any] | None, optimizer: Any,
+                   max_iters: int) -> list[Any]:
+        """The learning-rate schedulers the ``scheduler`` section describes (or a function
+        makes), one per optimiser; none without it or without an optimiser."""
         if not cfg or optimizer is None:
             return []
         optimizers = optimizer.values() if isinstance(optimizer, Mapping) else [optimizer]
+        if callable(cfg):
+            return [cfg(opt, max_iters) for opt in optimizers]
         try:
             return [build_scheduler(opt, dict(cfg), max_iters) for opt in optimizers]
         except ValueError as error:  # its messages name the key: a config that cannot run

@@ -128,7 +128,10 @@ class Runner:
         optim: the ``optim`` section (optimiser type and arguments, ``clip_grad``,
             ``accumulate``, ``paramwise``, ``per_module``), or a function that builds the
             optimiser (or a dict of them) from the unwrapped model.
-        scheduler: the ``scheduler`` section; None: a constant learning rate.
+        scheduler: the ``scheduler`` section; None: a constant learning rate. From Python it
+            may also be a function ``(optimizer, max_iters) -> LRScheduler`` that makes the
+            scheduler of each optimiser (stepped once per iteration; its ``state_dict`` is
+            checkpointed).
         strategy: a ``Strategy``, a registered strategy's name (``'none'``, ``'ddp'``,
             ``'separate_ddp'``, ``'fsdp'``, ``'deepspeed'``) or ``{'type': name, **options}``.
         precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``: autocast in that precision (fp16 with
@@ -181,7 +184,7 @@ class Runner:
         val_dataloader: DataLoader | Mapping[str, Any] | None = None,  # or a dict of either
         test_dataloader: DataLoader | Mapping[str, Any] | None = None,
         optim: Mapping[str, Any] | Callable[[nn.Module], Any] | None = None,
-        scheduler: Mapping[str, Any] | None = None,
+        scheduler: Mapping[str, Any] | Callable[[Any, int], Any] | None = None,
         strategy: str | Mapping[str, Any] | Strategy = "ddp",
         precision: str = "fp32",
         compile: bool | Mapping[str, Any] = False,

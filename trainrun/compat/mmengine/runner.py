@@ -4,8 +4,8 @@ It translates MMEngine's arguments into trainrun's Runner (``trainrun.runner.run
 and is that Runner: the same loop, strategies, checkpoints, heartbeat and run-directory lock.
 The translation keeps what decides MMEngine's numbers (see docs/mmengine.md): the seed before
 the model is built, ``DefaultSampler``'s order, loaders that draw their base seed from the
-global generator, MMEngine's worker seeds, by-epoch schedules turned into iterations as
-MMEngine's ``convert_to_iter_based`` does, and a loss that is each rank's own. An argument or
+global generator, MMEngine's worker seeds, its learning-rate schedulers stepped as its
+hooks step them (``param_scheduler.py``), and a loss that is each rank's own. An argument or
 option with no trainrun equivalent is refused with a ``ConfigError`` naming it; nothing is
 ignored.
 """
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from trainrun.compat.mmengine.dataset import DefaultSampler, pseudo_collate
 from trainrun.compat.mmengine.evaluator import Evaluator
 from trainrun.compat.mmengine.hooks import HookAdapter
+from trainrun.compat.mmengine.param_scheduler import scheduler_factory
 from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS
 from trainrun.dist import get_dist_info, init_dist, is_distributed, sync_random_seed
 from trainrun.runner.hooks.base import Hook as TrainrunHook
@@ -168,66 +169,6 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
              {"norm_decay_mult", "bias_decay_mult", "custom_keys"})
         section["paramwise"] = paramwise
     return section, precision
-
-
-def scheduler_section(cfg: Any, epoch_length: int, total_iters: int) -> dict[str, Any] | None:
-    """trainrun's ``scheduler`` section for MMEngine's ``param_scheduler``: one scheduler, or a
-    linear warmup (``LinearLR``) followed by one, with epochs turned into iterations
-    (``epoch_length`` each) as ``convert_to_iter_based`` does."""
-    if cfg is None:
-        return None
-    items = [dict(c) for c in (cfg if isinstance(cfg, Sequence) else [cfg])]
-    warmup = None
-    if len(items) == 2 and type_name(items[0].get("type")) == "LinearLR":
-        warmup = items.pop(0)
-    if len(items) != 1:
-        raise refused("param_scheduler", cfg, "one scheduler, or LinearLR (a warmup) and one")
-
-    def iters(item: dict[str, Any], key: str, value: Any) -> int:
-        return value * epoch_length if item.get("by_epoch", True) else value
-
-    out: dict[str, Any] = {}
-    if warmup is not None:
-        only("param_scheduler[0]", warmup, {"type", "start_factor", "end_factor", "begin", "end",
-                                            "by_epoch", "convert_to_iter_based"})
-        if warmup.get("begin", 0) != 0 or warmup.get("end_factor", 1.0) != 1.0:
-            raise refused("param_scheduler[0]", warmup,
-                          "a warmup LinearLR begins at 0 and ends at end_factor 1.0")
-        out["warmup_iters"] = iters(warmup, "end", warmup["end"])
-        out["warmup_start_factor"] = warmup.get("start_factor", 1 / 3)
-    main = items[0]
-    kind = type_name(main.pop("type", None))
-    main.pop("convert_to_iter_based", None)
-    by_epoch = main.pop("by_epoch", True)
-    begin, end = main.pop("begin", 0), main.pop("end", None)
-    span_end = total_iters if end is None else (end * epoch_length if by_epoch else end)
-    if begin != 0 or span_end != total_iters:
-        raise refused("param_scheduler", cfg, "a scheduler spans the whole run (begin 0, no "
-                      "end before the last iteration)")
-    scale = epoch_length if by_epoch else 1
-    if kind == "MultiStepLR":
-        only("param_scheduler", main, {"milestones", "gamma"})
-        return {**out, "type": "multistep", "milestones": [m * scale for m in main["milestones"]],
-                "gamma": main.get("gamma", 0.1)}
-    if kind == "StepLR":
-        only("param_scheduler", main, {"step_size", "gamma"})
-        return {**out, "type": "step", "step_size": main["step_size"] * scale,
-                "gamma": main.get("gamma", 0.1)}
-    if kind == "ExponentialLR":
-        only("param_scheduler", main, {"gamma"})
-        return {**out, "type": "step" if by_epoch else "exponential", "gamma": main["gamma"],
-                **({"step_size": epoch_length} if by_epoch else {})}
-    if kind in ("CosineAnnealingLR", "PolyLR"):
-        keys = {"T_max", "eta_min"} if kind == "CosineAnnealingLR" else {"eta_min", "power"}
-        only("param_scheduler", main, keys)
-        if kind == "CosineAnnealingLR" and "T_max" in main \
-                and main["T_max"] * scale != total_iters:
-            raise refused("param_scheduler.T_max", main["T_max"], "T_max spans the whole run")
-        return {**out, "type": "cosine" if kind == "CosineAnnealingLR" else "poly",
-                "min_lr": main.get("eta_min", 0.0),
-                **({"power": main.get("power", 1.0)} if kind == "PolyLR" else {})}
-    raise refused("param_scheduler.type", kind, "use MultiStepLR, StepLR, ExponentialLR, "
-                  "CosineAnnealingLR, PolyLR, or LinearLR as a warmup before one of them")
 
 
 # ---------------------------------------------------------------- hooks
@@ -409,9 +350,9 @@ class Runner(TrainrunRunner):
             optim, precision = optim_section(optim_wrapper)
             scheduler = None
             if train_loader is not None and param_scheduler is not None:
-                length = len(train_loader)
-                total = schedule["max_epochs"] * length if by_epoch else schedule["max_iters"]
-                scheduler = scheduler_section(param_scheduler, length, total)
+                scheduler = scheduler_factory(param_scheduler,
+                                              len(train_loader) if by_epoch else None,
+                                              schedule.get("max_epochs"))
             checkpoint, logging = hook_sections(default_hooks, by_epoch)
             super().__init__(
                 model=model, work_dir=work_dir, train_dataloader=train_loader,
