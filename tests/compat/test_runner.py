@@ -15,12 +15,10 @@ from torch.utils.data import Dataset
 
 from trainrun.compat.mmengine.config import Config
 from trainrun.compat.mmengine.model import BaseModel
-from trainrun.compat.mmengine.registry import DATASETS, MODELS
 from trainrun.compat.mmengine.runner import Runner
 from trainrun.runner.schema import ConfigError
 
 
-@DATASETS.register_module(force=True)
 class CompatPoints(Dataset):
     """40 points of 6 features in 3 classes, as dicts."""
 
@@ -36,7 +34,6 @@ class CompatPoints(Dataset):
         return {"inputs": self.x[index], "labels": self.y[index]}
 
 
-@MODELS.register_module(force=True)
 class DropoutNet(BaseModel):
     """Draws from the global generator every step (dropout): a resume that restored the wrong
     random state shows in the losses."""
@@ -54,8 +51,8 @@ def arguments(work_dir: Path, **changes) -> dict:
     """An iteration-based MMEngine run: 16 iterations of 5 batches an epoch, a checkpoint every
     4 iterations, every iteration logged."""
     return {
-        "model": {"type": "DropoutNet"}, "work_dir": str(work_dir),
-        "train_dataloader": {"dataset": {"type": "CompatPoints"}, "batch_size": 8,
+        "model": {"type": DropoutNet}, "work_dir": str(work_dir),
+        "train_dataloader": {"dataset": {"type": CompatPoints}, "batch_size": 8,
                              "sampler": {"type": "DefaultSampler", "shuffle": True},
                              "collate_fn": {"type": "default_collate"}},
         "train_cfg": {"type": "IterBasedTrainLoop", "max_iters": 16},
@@ -89,9 +86,10 @@ def test_a_run_resumed_inside_an_epoch_gives_the_losses_of_the_unbroken_run(tmp_
 def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
     config = tmp_path / "config.py"
     config.write_text(
-        "model = dict(type='DropoutNet')\n"
+        "model = dict(type='tests.compat.test_runner.DropoutNet')\n"
         f"work_dir = {str(tmp_path / 'run')!r}\n"
-        "train_dataloader = dict(dataset=dict(type='CompatPoints'), batch_size=8,\n"
+        "train_dataloader = dict(dataset=dict(type='tests.compat.test_runner.CompatPoints'),\n"
+        "                        batch_size=8,\n"
         "                        sampler=dict(type='DefaultSampler', shuffle=True),\n"
         "                        collate_fn=dict(type='default_collate'))\n"
         "train_cfg = dict(by_epoch=True, max_epochs=2)\n"
@@ -136,7 +134,7 @@ def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: 
 
 
 def test_a_sampler_other_than_the_default_is_refused(tmp_path: Path):
-    loader = {"dataset": {"type": "CompatPoints"}, "batch_size": 8,
+    loader = {"dataset": {"type": CompatPoints}, "batch_size": 8,
               "sampler": {"type": "InfiniteSampler", "shuffle": True}}
     with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='InfiniteSampler'"):
         Runner(**arguments(tmp_path / "run", train_dataloader=loader))

@@ -1,4 +1,5 @@
-"""``mmengine.hooks``: ``Hook`` with MMEngine's hook points, and ``HookAdapter``.
+"""``mmengine.hooks``: ``Hook`` with MMEngine's hook points, ``HookAdapter``, ``EMAHook`` and
+the default hooks' names.
 
 An MMEngine hook's points differ from trainrun's in a few names and arguments
 (``after_val_epoch(runner, metrics)`` and ``after_val(runner)`` where trainrun has
@@ -12,6 +13,8 @@ from typing import Any
 
 from trainrun.runner.hooks.base import NORMAL
 from trainrun.runner.hooks.base import Hook as _Hook
+from trainrun.runner.hooks.ema import EMAHook as _EMAHook
+from trainrun.runner.schema import ConfigError
 
 # MMEngine's priority names and their numbers (lower runs first), as its ``Priority`` has them
 PRIORITIES = {"HIGHEST": 0, "VERY_HIGH": 10, "HIGH": 30, "ABOVE_NORMAL": 40, "NORMAL": 50,
@@ -181,4 +184,75 @@ class HookAdapter(_Hook):
         self._call("after_test", runner)
 
 
-__all__ = ["Hook", "HookAdapter"]
+class EMAHook(_EMAHook):
+    """MMEngine's EMAHook: trainrun's exponential moving average of the weights, with
+    MMEngine's arguments (``average = (1 - momentum) * average + momentum * weights``, every
+    ``interval`` iterations; validation uses the average).
+
+    Args:
+        ema_type: only ``'ExponentialMovingAverage'``.
+        strict_load: accepted as MMEngine's (trainrun always loads the whole average).
+        begin_iter: only 0.
+        begin_epoch: only 0.
+        momentum: the weight of the new weights in each update.
+        interval: update every this many iterations.
+        update_buffers: only False (buffers are the model's own).
+
+    Raises:
+        ConfigError: an option trainrun's average cannot follow (named).
+    """
+
+    def __init__(self, ema_type: str = "ExponentialMovingAverage", strict_load: bool = False,
+                 begin_iter: int = 0, begin_epoch: int = 0, momentum: float = 0.0002,
+                 interval: int = 1, update_buffers: bool = False) -> None:
+        for key, value, allowed in (("ema_type", ema_type, "ExponentialMovingAverage"),
+                                    ("begin_iter", begin_iter, 0),
+                                    ("begin_epoch", begin_epoch, 0),
+                                    ("update_buffers", update_buffers, False)):
+            if value != allowed:
+                raise ConfigError(f"EMAHook.{key}={value!r}: not supported by "
+                                  f"trainrun.compat.mmengine; use {allowed!r}")
+        super().__init__(momentum=momentum, interval=interval)
+
+
+class DefaultHookName:
+    """One of MMEngine's default hooks, by name: given in ``default_hooks`` (``dict(type=
+    CheckpointHook, interval=1)``), where the compat Runner reads its options into trainrun's
+    own hooks. It is not built by itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{type(self).__name__} is one of trainrun's own hooks: give its "
+                        f"options in default_hooks, e.g. dict(type={type(self).__name__}, ...)")
+
+
+class CheckpointHook(DefaultHookName):
+    """``default_hooks.checkpoint``: interval, by_epoch, max_keep_ckpts, save_last, save_best
+    and rule."""
+
+
+class LoggerHook(DefaultHookName):
+    """``default_hooks.logger``: interval."""
+
+
+class IterTimerHook(DefaultHookName):
+    """``default_hooks.timer``."""
+
+
+class ParamSchedulerHook(DefaultHookName):
+    """``default_hooks.param_scheduler``."""
+
+
+class DistSamplerSeedHook(DefaultHookName):
+    """``default_hooks.sampler_seed``."""
+
+
+class RuntimeInfoHook(DefaultHookName):
+    """``default_hooks.runtime_info``."""
+
+
+# MMEngine's hook names that trainrun's own registry (shared by trainrun's configs) does not
+# hold: the compat Runner's custom_hooks look them up here first
+COMPAT_HOOKS = {"EMAHook": EMAHook}
+
+__all__ = ["CheckpointHook", "DistSamplerSeedHook", "EMAHook", "Hook", "HookAdapter",
+           "IterTimerHook", "LoggerHook", "ParamSchedulerHook", "RuntimeInfoHook"]

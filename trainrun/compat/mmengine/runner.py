@@ -24,10 +24,16 @@ from torch.utils.data import DataLoader
 
 from trainrun.compat.mmengine.dataset import DefaultSampler, pseudo_collate
 from trainrun.compat.mmengine.evaluator import Evaluator
-from trainrun.compat.mmengine.hooks import HookAdapter
+from trainrun.compat.mmengine.hooks import COMPAT_HOOKS, HookAdapter
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
-from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS
-from trainrun.dist import get_dist_info, init_dist, is_distributed, sync_random_seed
+from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS, RUNNERS
+from trainrun.dist import (
+    get_dist_info,
+    infer_launcher,
+    init_dist,
+    is_distributed,
+    sync_random_seed,
+)
 from trainrun.runner.hooks.base import Hook as TrainrunHook
 from trainrun.runner.runner import Runner as TrainrunRunner
 from trainrun.runner.schema import ConfigError
@@ -216,7 +222,11 @@ def build_custom_hooks(cfgs: Sequence[Any] | None) -> list[TrainrunHook]:
     trainrun's Runner inside ``HookAdapter`` (a trainrun hook as it is)."""
     built = []
     for i, cfg in enumerate(cfgs or ()):
-        hook = HOOKS.build(cfg) if isinstance(cfg, Mapping) else cfg
+        if isinstance(cfg, Mapping) and type_name(cfg.get("type")) in COMPAT_HOOKS:
+            options = {k: v for k, v in cfg.items() if k != "type"}
+            hook = COMPAT_HOOKS[type_name(cfg["type"])](**options)
+        else:
+            hook = HOOKS.build(cfg) if isinstance(cfg, Mapping) else cfg
         if hook is None:
             raise ConfigError(f"custom_hooks[{i}]: built nothing")
         built.append(hook if isinstance(hook, TrainrunHook) else HookAdapter(hook))
@@ -292,7 +302,8 @@ class Runner(TrainrunRunner):
     """MMEngine's Runner: its constructor arguments, translated into trainrun's Runner.
 
     The arguments are MMEngine's (see its documentation); the ones trainrun supports, and how
-    they map, are in docs/mmengine.md. ``train()``, ``val()`` and ``test()`` are trainrun's.
+    they map, are in docs/mmengine.md. The model is wrapped as MMEngine's Runner wraps it: in
+    DDP without broadcasting buffers. ``train()``, ``val()`` and ``test()`` are trainrun's.
 
     Raises:
         ConfigError: an argument or option with no trainrun equivalent (named), or what
@@ -314,6 +325,29 @@ class Runner(TrainrunRunner):
                  default_scope: str | None = "mmengine",
                  randomness: Mapping[str, Any] | None = None, experiment_name: str | None = None,
                  cfg: Any = None) -> None:
+        self._start(
+            {"type": "ddp", "broadcast_buffers": False}, None, model=model, work_dir=work_dir,
+            train_dataloader=train_dataloader, val_dataloader=val_dataloader,
+            test_dataloader=test_dataloader, train_cfg=train_cfg, val_cfg=val_cfg,
+            test_cfg=test_cfg, auto_scale_lr=auto_scale_lr, optim_wrapper=optim_wrapper,
+            param_scheduler=param_scheduler, val_evaluator=val_evaluator,
+            test_evaluator=test_evaluator, default_hooks=default_hooks,
+            custom_hooks=custom_hooks, data_preprocessor=data_preprocessor,
+            load_from=load_from, resume=resume, launcher=launcher, env_cfg=env_cfg,
+            log_processor=log_processor, log_level=log_level, visualizer=visualizer,
+            default_scope=default_scope, randomness=randomness,
+            experiment_name=experiment_name, cfg=cfg)
+
+    def _start(self, strategy: Mapping[str, Any], precision: str | None, *, model: Any,
+               work_dir: str, train_dataloader: Any, val_dataloader: Any,
+               test_dataloader: Any, train_cfg: Any, val_cfg: Any, test_cfg: Any,
+               auto_scale_lr: Any, optim_wrapper: Any, param_scheduler: Any,
+               val_evaluator: Any, test_evaluator: Any, default_hooks: Any, custom_hooks: Any,
+               data_preprocessor: Any, load_from: Any, resume: Any, launcher: str,
+               env_cfg: Any, log_processor: Any, log_level: Any, visualizer: Any,
+               default_scope: Any, randomness: Any, experiment_name: Any, cfg: Any) -> None:
+        """Translate MMEngine's arguments and build trainrun's Runner with ``strategy`` (its
+        section) and ``precision`` (None: the optimiser wrapper's)."""
         for key, value, neutral in (("auto_scale_lr", auto_scale_lr, (None,)),
                                     ("visualizer", visualizer, (None,)),
                                     ("log_processor", log_processor, (None,)),
@@ -347,7 +381,7 @@ class Runner(TrainrunRunner):
             by_epoch = schedule is None or "max_epochs" in schedule
             train_loader = build_loader("train_dataloader", train_dataloader,
                                         randomness["seed"], True)
-            optim, precision = optim_section(optim_wrapper)
+            optim, wrapper_precision = optim_section(optim_wrapper)
             scheduler = None
             if train_loader is not None and param_scheduler is not None:
                 scheduler = scheduler_factory(param_scheduler,
@@ -360,9 +394,9 @@ class Runner(TrainrunRunner):
                                             randomness["seed"], False),
                 test_dataloader=build_loader("test_dataloader", test_dataloader,
                                              randomness["seed"], False),
-                optim=optim, scheduler=scheduler,
-                strategy={"type": "ddp", "broadcast_buffers": False}, precision=precision,
-                schedule=schedule, val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
+                optim=optim, scheduler=scheduler, strategy=dict(strategy),
+                precision=precision or wrapper_precision, schedule=schedule,
+                val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
                 test_metrics=evaluator_metrics("test_evaluator", test_evaluator),
                 hooks=build_custom_hooks(custom_hooks),
                 randomness=randomness, logging=logging or None, checkpoint=checkpoint,
@@ -386,8 +420,137 @@ class Runner(TrainrunRunner):
         accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "cfg"}
         for key in cfg:
             if key not in accepted and key not in ("runner_type",):
-                raise refused(key, cfg[key], "not an argument of MMEngine's Runner")
+                raise refused(key, cfg[key], f"not an argument of MMEngine's {cls.__name__}")
         return cls(**{key: cfg[key] for key in cfg if key in accepted}, cfg=cfg)
 
 
-__all__ = ["Runner"]
+# MMEngine's FSDP sharding strategies by their names, and trainrun's
+SHARDING = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "NO_SHARD": "none",
+            "HYBRID_SHARD": "hybrid"}
+DDP_WRAPPER_KEYS = {"find_unused_parameters", "broadcast_buffers", "bucket_cap_mb",
+                    "gradient_as_bucket_view", "static_graph", "detect_anomalous_params"}
+
+
+def wrap_option(policy: Any) -> dict[str, Any]:
+    """trainrun's ``strategy.wrap`` for an FSDP ``auto_wrap_policy``: torch's size-based policy
+    (its ``min_num_params``) or transformer policy (its layer classes, by name), as a partial
+    or as MMEngine's ``dict(type=..., ...)``."""
+    if isinstance(policy, Mapping):
+        options = dict(policy)
+        name = type_name(options.pop("type", None)).rpartition(".")[2]
+    elif isinstance(policy, partial):
+        name, options = policy.func.__name__, dict(policy.keywords)
+    else:
+        raise refused("strategy.model_wrapper.auto_wrap_policy", policy,
+                      "give size_based_auto_wrap_policy or transformer_auto_wrap_policy "
+                      "with its options (a partial or a dict)")
+    if name == "size_based_auto_wrap_policy" and set(options) == {"min_num_params"}:
+        return {"min_params": int(options["min_num_params"])}
+    if name == "transformer_auto_wrap_policy" and set(options) == {"transformer_layer_cls"}:
+        return {"classes": [type_name(c) for c in options["transformer_layer_cls"]]}
+    raise refused("strategy.model_wrapper.auto_wrap_policy", policy,
+                  "give size_based_auto_wrap_policy(min_num_params=...) or "
+                  "transformer_auto_wrap_policy(transformer_layer_cls=...)")
+
+
+def strategy_section(cfg: Any) -> tuple[dict[str, Any], str | None]:
+    """trainrun's ``strategy`` section, and the precision it sets (None: the optimiser
+    wrapper's), for FlexibleRunner's ``strategy``: DDPStrategy, FSDPStrategy or
+    DeepSpeedStrategy."""
+    if cfg is None:
+        return {"type": "ddp"}, None
+    if not isinstance(cfg, Mapping):
+        raise refused("strategy", cfg, "give a dict")
+    cfg = dict(cfg)
+    kind = type_name(cfg.pop("type", None))
+    if kind in ("DDPStrategy", "FSDPStrategy"):
+        wrapper = dict(cfg.pop("model_wrapper", None) or {})
+        wrapper.pop("type", None)
+        only("strategy", cfg, set())
+        if kind == "DDPStrategy":
+            only("strategy.model_wrapper", wrapper, DDP_WRAPPER_KEYS)
+            return {"type": "ddp", **wrapper}, None
+        only("strategy.model_wrapper", wrapper,
+             {"auto_wrap_policy", "sharding_strategy", "cpu_offload"})
+        out: dict[str, Any] = {"type": "fsdp"}
+        if wrapper.get("auto_wrap_policy") is not None:
+            out["wrap"] = wrap_option(wrapper["auto_wrap_policy"])
+        sharding = wrapper.get("sharding_strategy")
+        if sharding is not None:
+            name = getattr(sharding, "name", sharding)
+            if name not in SHARDING:
+                raise refused("strategy.model_wrapper.sharding_strategy", sharding,
+                              f"use one of {', '.join(SHARDING)}")
+            out["sharding"] = SHARDING[name]
+        if wrapper.get("cpu_offload") is not None:
+            offload = wrapper["cpu_offload"]
+            out["cpu_offload"] = bool(getattr(offload, "offload_params", offload))
+        return out, None
+    if kind == "DeepSpeedStrategy":
+        only("strategy", cfg, {"zero_optimization", "fp16", "bf16", "gradient_clipping",
+                               "steps_per_print"})
+        zero = dict(cfg.pop("zero_optimization", None) or {})
+        stage = zero.pop("stage", 0)
+        precision = None
+        for name, value in (("fp16", "fp16"), ("bf16", "bf16")):
+            section = dict(cfg.pop(name, None) or {})
+            if section.pop("enabled", False):
+                precision = value
+            if section:
+                cfg.setdefault("config", {})[name] = section
+        raw = {**cfg.pop("config", {}), **cfg}
+        if zero:
+            raw["zero_optimization"] = zero
+        return {"type": "deepspeed", "zero_stage": stage, **({"config": raw} if raw else {})}, \
+            precision
+    raise refused("strategy.type", kind, "use DDPStrategy, FSDPStrategy or DeepSpeedStrategy")
+
+
+class FlexibleRunner(Runner):
+    """MMEngine's FlexibleRunner: the Runner's arguments (keyword-only after ``model``) and
+    ``strategy``, ``dict(type='DDPStrategy' | 'FSDPStrategy' | 'DeepSpeedStrategy', ...)``,
+    which becomes trainrun's ddp, fsdp or deepspeed strategy. ``launcher`` None finds the
+    launcher from the environment (torchrun's variables: ``'pytorch'``).
+
+    Raises:
+        ConfigError: an argument or option with no trainrun equivalent (named).
+    """
+
+    def __init__(self, model: nn.Module | Mapping[str, Any], *, work_dir: str = "work_dirs",
+                 experiment_name: str | None = None, train_dataloader: Any = None,
+                 optim_wrapper: Any = None, param_scheduler: Any = None,
+                 train_cfg: Mapping[str, Any] | None = None, val_dataloader: Any = None,
+                 val_evaluator: Any = None, val_cfg: Mapping[str, Any] | None = None,
+                 test_dataloader: Any = None, test_evaluator: Any = None,
+                 test_cfg: Mapping[str, Any] | None = None, strategy: Any = None,
+                 auto_scale_lr: Mapping[str, Any] | None = None,
+                 default_hooks: Mapping[str, Any] | None = None,
+                 custom_hooks: Sequence[Any] | None = None, data_preprocessor: Any = None,
+                 load_from: str | None = None, resume: bool = False,
+                 launcher: str | None = None, env_cfg: Mapping[str, Any] | None = None,
+                 log_processor: Any = None, log_level: str = "INFO", visualizer: Any = None,
+                 default_scope: str | None = "mmengine",
+                 randomness: Mapping[str, Any] | None = None, compile: Any = False,
+                 cfg: Any = None) -> None:
+        if compile:
+            raise refused("compile", compile, "set trainrun's compile in a trainrun config")
+        section, precision = strategy_section(strategy)
+        self._start(
+            section, precision, model=model, work_dir=work_dir,
+            train_dataloader=train_dataloader, val_dataloader=val_dataloader,
+            test_dataloader=test_dataloader, train_cfg=train_cfg, val_cfg=val_cfg,
+            test_cfg=test_cfg, auto_scale_lr=auto_scale_lr, optim_wrapper=optim_wrapper,
+            param_scheduler=param_scheduler, val_evaluator=val_evaluator,
+            test_evaluator=test_evaluator, default_hooks=default_hooks,
+            custom_hooks=custom_hooks, data_preprocessor=data_preprocessor,
+            load_from=load_from, resume=resume,
+            launcher=infer_launcher() if launcher is None else launcher, env_cfg=env_cfg,
+            log_processor=log_processor, log_level=log_level, visualizer=visualizer,
+            default_scope=default_scope, randomness=randomness,
+            experiment_name=experiment_name, cfg=cfg)
+
+
+RUNNERS.register_module(module=Runner)
+RUNNERS.register_module(module=FlexibleRunner)
+
+__all__ = ["FlexibleRunner", "Runner"]
