@@ -75,7 +75,7 @@ def train_losses(**kwargs) -> dict[int, float]:
 def test_a_run_resumed_inside_an_epoch_gives_the_losses_of_the_unbroken_run(tmp_path: Path):
     straight = train_losses(**arguments(tmp_path / "straight"))
     assert sorted(straight) == list(range(1, 17))
-    checkpoint = tmp_path / "straight" / "checkpoints" / "iter_12.pth"
+    checkpoint = tmp_path / "straight" / "iter_12.pth"  # MMEngine's layout
     resumed = train_losses(**arguments(tmp_path / "resumed", resume=True,
                                        load_from=str(checkpoint)))
     after = {step: loss for step, loss in resumed.items() if step > 12}
@@ -98,7 +98,9 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
     runner = Runner.from_cfg(Config.fromfile(config))
     runner.train()
     runner.close()
-    assert (tmp_path / "run" / "checkpoints" / "epoch_2.pth").exists()
+    newest = tmp_path / "run" / "epoch_2.pth"  # MMEngine's layout: in the work directory
+    assert newest.is_file()
+    assert (tmp_path / "run" / "last_checkpoint").read_text() == str(newest.resolve())
 
 
 @pytest.mark.parametrize(("change", "named"), [

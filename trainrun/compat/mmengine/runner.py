@@ -27,6 +27,7 @@ from trainrun.compat.mmengine.evaluator import Evaluator
 from trainrun.compat.mmengine.hooks import COMPAT_HOOKS, HookAdapter
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
 from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS, RUNNERS
+from trainrun.compat.mmengine.work_dir import LastCheckpointFile, MMEngineRunDir
 from trainrun.dist import (
     get_dist_info,
     infer_launcher,
@@ -388,8 +389,9 @@ class Runner(TrainrunRunner):
                                               len(train_loader) if by_epoch else None,
                                               schedule.get("max_epochs"))
             checkpoint, logging = hook_sections(default_hooks, by_epoch)
+            run_dir = MMEngineRunDir(work_dir)
             super().__init__(
-                model=model, work_dir=work_dir, train_dataloader=train_loader,
+                model=model, work_dir=run_dir, train_dataloader=train_loader,
                 val_dataloader=build_loader("val_dataloader", val_dataloader,
                                             randomness["seed"], False),
                 test_dataloader=build_loader("test_dataloader", test_dataloader,
@@ -398,7 +400,7 @@ class Runner(TrainrunRunner):
                 precision=precision or wrapper_precision, schedule=schedule,
                 val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
                 test_metrics=evaluator_metrics("test_evaluator", test_evaluator),
-                hooks=build_custom_hooks(custom_hooks),
+                hooks=[*build_custom_hooks(custom_hooks), LastCheckpointFile(run_dir)],
                 randomness=randomness, logging=logging or None, checkpoint=checkpoint,
                 resume=load_from if resume and load_from else bool(resume),
                 load_from=None if resume else load_from, launcher="none")
