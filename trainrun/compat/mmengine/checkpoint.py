@@ -4,6 +4,8 @@
   'mmengine' (``trainrun.checkpoint.mmengine_file``), so the compat Runner's ``load_from``
   (weights) and ``resume=True, load_from=<file>`` (model, optimiser, position) take it as they
   take trainrun's own; `load_checkpoint` is MMEngine's function of that name, on either kind.
+  An iteration-counting run resumed from MMEngine's file goes on with the data where
+  MMEngine's ``IterBasedTrainLoop`` would (`continue_as_mmengine`).
 - trainrun to MMEngine: MMEngine's ``load_checkpoint`` (and its Runner's ``load_from``) take a
   file's ``state_dict`` entry as the weights, and without one the whole file, which then loads
   nothing (a warning only). `MMEngineDDP`, the strategy the compat Runner trains with, writes
@@ -22,8 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainrun.checkpoint.format import checkpoint_format
+from trainrun.checkpoint.mmengine_file import MMEngineFile
 from trainrun.checkpoint.optimizer_state import Optimizers
 from trainrun.checkpoint.read import read_weights
+from trainrun.runner.sampler import ResumableSampler
 from trainrun.wrappers.ddp import DDPStrategy
 
 log = logging.getLogger("trainrun")
@@ -44,6 +49,38 @@ class MMEngineDDP(DDPStrategy):
                      extra: dict[str, Any]) -> dict[str, Any]:
         state = super()._whole_state(model, optimizer, extra)
         return {**state, MMENGINE_WEIGHTS: state["model"]}
+
+
+def continue_as_mmengine(runner: Any, path: str | os.PathLike) -> None:
+    """After ``runner`` resumed from ``path``: where that is MMEngine's file and the run counts
+    iterations, put the data where MMEngine's ``IterBasedTrainLoop`` goes on, and leave
+    anything else as trainrun's resume left it.
+
+    MMEngine's iteration loop walks its loader without end (the sampler's epoch going up at
+    each pass) and, resumed after ``iter`` iterations, skips ``iter`` batches; its checkpoint's
+    ``epoch`` is 0. trainrun's run would start its first epoch again: here its epoch becomes
+    ``iter // batches per epoch`` and the sampler's cursor the batches after it. A run that
+    counts epochs needs nothing: MMEngine's epoch loop starts the checkpoint's epoch at its
+    beginning, as trainrun's resume from a file without a sampler state does.
+
+    Args:
+        runner: the compat Runner, just resumed (``Runner.resume``).
+        path: the checkpoint it resumed from.
+    """
+    loop = getattr(runner, "train_loop", None)
+    if runner.by_epoch or loop is None or checkpoint_format(path) is not MMEngineFile:
+        return
+    loader = runner.train_dataloader
+    sampler = loader.sampler
+    if not isinstance(sampler, ResumableSampler):  # a loader given as it is: its own order
+        return
+    sampler.set_epoch(0)  # a whole epoch's batches, whatever the cursor was
+    epoch, done = divmod(runner.iter, len(loader))
+    sampler.set_epoch(epoch)
+    for _ in range(done):
+        sampler.trained(loader.batch_size or 1)
+    runner.epoch = epoch
+    loop.resume_mid_epoch = True
 
 
 def load_checkpoint(model: nn.Module, filename: str | os.PathLike,
@@ -88,4 +125,4 @@ def load_checkpoint(model: nn.Module, filename: str | os.PathLike,
     return {MMENGINE_WEIGHTS: weights}
 
 
-__all__ = ["MMENGINE_WEIGHTS", "MMEngineDDP", "load_checkpoint"]
+__all__ = ["MMENGINE_WEIGHTS", "MMEngineDDP", "continue_as_mmengine", "load_checkpoint"]
