@@ -78,8 +78,8 @@ def pickle_strings(path: Path, wanted: frozenset[str]) -> set[str]:
                 found.add(arg)
                 if found == wanted:
                     break
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
-        pass
+    except Exception:  # unreadable or damaged: not recognisably MMEngine's (the fallback
+        return set()  # format, which reads it, says what is wrong)
     return found
 
 
