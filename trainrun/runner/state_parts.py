@@ -74,8 +74,14 @@ class _RunnerParts:
     def schedulers(self) -> list[Any]:
         return [scheduler.state_dict() for scheduler in self.runner.schedulers]
 
-    def load_schedulers(self, states: list[Any]) -> None:
-        for scheduler, saved in zip(self.runner.schedulers, states, strict=True):
+    def load_schedulers(self, states: list[Any] | None) -> None:
+        """Each scheduler's saved state; None (a checkpoint another tool wrote, which holds no
+        trainrun schedule) puts each at the run's iteration, its rate set from it."""
+        runner = self.runner
+        if states is None:
+            states = [{**scheduler.state_dict(), "last_epoch": runner.iter,
+                       "_step_count": runner.iter + 1} for scheduler in runner.schedulers]
+        for scheduler, saved in zip(runner.schedulers, states, strict=True):
             scheduler.load_state_dict(saved)
 
     def sampler(self) -> dict[str, Any] | None:
@@ -105,10 +111,15 @@ class _RunnerParts:
                                   "stream starts again from its beginning", len(streams),
                                   runner.world_size)
 
-    def load_rng_states(self, rngs: list[Any]) -> None:
-        """This rank's RNG states, where the world size is the one that saved them."""
+    def load_rng_states(self, rngs: list[Any] | None) -> None:
+        """This rank's RNG states, where the world size is the one that saved them; None (a
+        checkpoint another tool wrote, which holds none): the random streams go on from this
+        run's seeding."""
         runner = self.runner
-        if len(rngs) == runner.world_size:
+        if rngs is None:
+            runner.logger.info("the checkpoint holds no RNG states: random streams go on from "
+                               "this run's seeding")
+        elif len(rngs) == runner.world_size:
             set_rng_state(rngs[runner.rank])
         else:
             runner.logger.warning("the checkpoint was written by %d ranks, this job has %d: "
