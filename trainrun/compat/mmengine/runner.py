@@ -12,6 +12,7 @@ ignored.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainrun.checkpoint.manager import LAST
+from trainrun.compat.mmengine.checkpoint import MMEngineDDP, continue_as_mmengine, load_checkpoint
 from trainrun.compat.mmengine.dataset import DefaultSampler, pseudo_collate
 from trainrun.compat.mmengine.evaluator import Evaluator
 from trainrun.compat.mmengine.hooks import COMPAT_HOOKS, HookAdapter
@@ -299,6 +302,25 @@ def join(launcher: str, env_cfg: Mapping[str, Any] | None) -> bool:
     return True
 
 
+def strategy_of(section: Mapping[str, Any]) -> Any:
+    """The strategy trainrun's Runner gets for a translated ``strategy`` section: for ddp,
+    ``MMEngineDDP``, whose checkpoints MMEngine's ``load_checkpoint`` reads too."""
+    options = {k: v for k, v in section.items() if k != "type"}
+    return MMEngineDDP(**options) if section["type"] == "ddp" else dict(section)
+
+
+def start_from(run_dir: MMEngineRunDir, resume: Any, load_from: str | None) -> bool | str:
+    """trainrun's ``resume`` for MMEngine's ``resume`` and ``load_from``: with both, resume
+    from ``load_from``; ``resume=True`` alone, from the newest checkpoint of the work directory
+    (trainrun's ``last``, else MMEngine's ``last_checkpoint`` in a directory MMEngine wrote)."""
+    if resume and load_from:
+        return str(load_from)
+    if resume and not (run_dir.checkpoints / LAST).is_file() \
+            and run_dir.last_checkpoint.is_file():
+        return run_dir.last_checkpoint.read_text(encoding="utf-8").strip()
+    return bool(resume)
+
+
 class Runner(TrainrunRunner):
     """MMEngine's Runner: its constructor arguments, translated into trainrun's Runner.
 
@@ -396,13 +418,13 @@ class Runner(TrainrunRunner):
                                             randomness["seed"], False),
                 test_dataloader=build_loader("test_dataloader", test_dataloader,
                                              randomness["seed"], False),
-                optim=optim, scheduler=scheduler, strategy=dict(strategy),
+                optim=optim, scheduler=scheduler, strategy=strategy_of(strategy),
                 precision=precision or wrapper_precision, schedule=schedule,
                 val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
                 test_metrics=evaluator_metrics("test_evaluator", test_evaluator),
                 hooks=[*build_custom_hooks(custom_hooks), LastCheckpointFile(run_dir)],
                 randomness=randomness, logging=logging or None, checkpoint=checkpoint,
-                resume=load_from if resume and load_from else bool(resume),
+                resume=start_from(run_dir, resume, load_from),
                 load_from=None if resume else load_from, launcher="none")
         except BaseException:
             if joined:
@@ -412,6 +434,12 @@ class Runner(TrainrunRunner):
             raise
         self._owns_group = joined  # trainrun's close() leaves the group this runner joined
         self.mmengine_cfg = cfg
+
+    def resume(self, path: str | os.PathLike) -> None:
+        """trainrun's resume; from MMEngine's own file in an iteration-based run, the data
+        goes on where MMEngine's would (``continue_as_mmengine``)."""
+        super().resume(path)
+        continue_as_mmengine(self, path)
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any]) -> Runner:  # type: ignore[override]
@@ -555,4 +583,4 @@ class FlexibleRunner(Runner):
 RUNNERS.register_module(module=Runner)
 RUNNERS.register_module(module=FlexibleRunner)
 
-__all__ = ["FlexibleRunner", "Runner"]
+__all__ = ["FlexibleRunner", "Runner", "load_checkpoint"]
