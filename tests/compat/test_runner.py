@@ -142,6 +142,22 @@ def test_a_sampler_other_than_the_default_is_refused(tmp_path: Path):
         Runner(**arguments(tmp_path / "run", train_dataloader=loader))
 
 
-def test_from_cfg_refuses_a_key_the_runner_does_not_take(tmp_path: Path):
-    with pytest.raises(ConfigError, match="^visualiser="):
-        Runner.from_cfg({**arguments(tmp_path / "run"), "visualiser": None})
+def test_from_cfg_takes_the_configs_variables_and_its_wrapper_options(tmp_path: Path):
+    cfg = {**arguments(tmp_path / "run"), "data_root": "data/", "find_unused_parameters": True}
+    runner = Runner.from_cfg(cfg)
+    try:
+        assert runner.strategy.options["find_unused_parameters"] is True
+    finally:
+        runner.close()
+    wrapper = {"type": "MMDistributedDataParallel", "bucket_cap_mb": 25, "sync_bn": True}
+    with pytest.raises(ConfigError, match="^model_wrapper_cfg.sync_bn=True"):
+        Runner.from_cfg({**arguments(tmp_path / "other"), "model_wrapper_cfg": wrapper})
+
+
+def test_a_hook_point_trainrun_does_not_call_is_refused(tmp_path: Path):
+    class PerBatch:
+        def after_val_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            pass
+
+    with pytest.raises(ConfigError, match="^PerBatch.after_val_iter: a hook point"):
+        Runner(**arguments(tmp_path / "run", custom_hooks=[PerBatch()]))

@@ -83,7 +83,9 @@ def forward_arguments(model: nn.Module, data: Any, mode: str) -> tuple[tuple, di
 def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
               check: Callable[[Tensor], None] | None = None) -> dict[str, Tensor]:
     """Forward ``data`` through ``model`` in loss mode inside the optimiser's context, then
-    backward and (when the micro-steps are in) step. ``check`` sees the loss first.
+    backward and (when the micro-steps are in) step. ``check`` sees the loss first. The losses
+    are parsed by the model's own ``parse_losses`` where it has one (MMEngine's models do),
+    else by ``parse_losses``.
 
     This is ``BaseModel.train_step``, shared with the strategies' wrappers, which call it with
     themselves as ``model`` so that the forward goes through their wrapping.
@@ -101,7 +103,8 @@ def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
     with optim_wrapper.optim_context(model), phase("forward"):
         args, kwargs = forward_arguments(model, data, "loss")
         losses = model(*args, **kwargs)
-    loss, log_vars = parse_losses(losses)
+    own = getattr(getattr(model, "module", model), "parse_losses", None)
+    loss, log_vars = (own or parse_losses)(losses)
     if check is not None:
         check(loss)
     optim_wrapper.update_params(loss)

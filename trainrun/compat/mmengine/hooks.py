@@ -44,7 +44,6 @@ class Hook:
     def after_test(self, runner: Any) -> None: ...
     def before_test_epoch(self, runner: Any) -> None: ...
     def after_test_epoch(self, runner: Any, metrics: dict | None = None) -> None: ...
-    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None: ...
 
 
 def priority_number(priority: Any) -> int:
@@ -59,6 +58,18 @@ def priority_number(priority: Any) -> int:
                              f"{', '.join(PRIORITIES)}")
         return PRIORITIES[priority.upper()]
     return int(priority)
+
+
+# MMEngine's hook points that trainrun's loops have no counterpart of, and why: a hook that
+# overrides one is refused rather than never called
+UNCALLED = {
+    "before_val_iter": "validation calls no hook per batch",
+    "after_val_iter": "validation calls no hook per batch",
+    "before_test_iter": "testing calls no hook per batch",
+    "after_test_iter": "testing calls no hook per batch",
+    "before_save_checkpoint": "trainrun's checkpoint is put together from its parts",
+    "after_load_checkpoint": "trainrun's resume loads the parts itself",
+}
 
 
 class OptimWrapperView:
@@ -112,6 +123,16 @@ class RunnerView:
         return self._runner.epoch - self._epoch_offset
 
     @property
+    def work_dir(self) -> str:
+        """The work directory, as MMEngine gives it: a string."""
+        return str(self._runner.work_dir)
+
+    @property
+    def cfg(self) -> Any:
+        """The MMEngine config the runner was built from (None without one)."""
+        return getattr(self._runner, "mmengine_cfg", None)
+
+    @property
     def optim_wrapper(self) -> OptimWrapperView:
         return OptimWrapperView(self._runner.optim_wrapper, self._rates)
 
@@ -128,6 +149,12 @@ class HookAdapter(_Hook):
     """
 
     def __init__(self, hook: Any) -> None:
+        for point in UNCALLED:
+            own = getattr(type(hook), point, None)
+            if own is not None and own is not getattr(Hook, point, None):
+                raise ConfigError(f"{type(hook).__name__}.{point}: a hook point trainrun does "
+                                  f"not call ({UNCALLED[point]}); move the work to another "
+                                  f"point")
         self.hook = hook
         self.priority = priority_number(getattr(hook, "priority", NORMAL))
         self._rates: list[float] | None = None  # the rates of the iteration being trained

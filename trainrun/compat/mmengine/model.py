@@ -25,7 +25,6 @@ from trainrun.wrappers import (
     MMSeparateDistributedDataParallel,
     is_model_wrapper,
 )
-from trainrun.wrappers.base_model import parse_losses as _parse_losses
 
 MODES = ("loss", "predict", "tensor")
 
@@ -150,11 +149,28 @@ class BaseModel(_Model):
         return self._run_forward(self.data_preprocessor(data, False), "predict")
 
     def parse_losses(self, losses: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss to optimise (the sum of the entries named '*loss*'; an entry may be a list
-        of tensors, each averaged and summed) and the values to log."""
-        flat = {name: sum(v.mean() for v in value) if isinstance(value, (list, tuple)) else value
-                for name, value in losses.items()}
-        return _parse_losses(flat)
+        """The loss to optimise and the values to log, as MMEngine computes them: each entry's
+        mean (a list of tensors: the sum of their means), and the sum of the entries named
+        '*loss*' added left to right; the values to log are detached, ``loss`` first.
+
+        Raises:
+            TypeError: an entry that is neither a tensor nor a list of tensors.
+        """
+        means: dict[str, Tensor] = {}
+        for name, value in losses.items():
+            if isinstance(value, Tensor):
+                means[name] = value.mean()
+            elif isinstance(value, (list, tuple)) and all(isinstance(v, Tensor) for v in value):
+                means[name] = sum(v.mean() for v in value)
+            else:
+                raise TypeError(f"losses[{name!r}]: expected a tensor or a list of tensors, "
+                                f"got {type(value).__name__}")
+        loss = sum(value for name, value in means.items() if "loss" in name)
+        if not isinstance(loss, Tensor):
+            raise ValueError(f"forward(..., mode='loss') returned no entry named '*loss*': "
+                             f"{list(losses)}")
+        log_vars = {"loss": loss.detach(), **{k: v.detach() for k, v in means.items()}}
+        return loss, log_vars
 
 
 __all__ = [

@@ -39,12 +39,21 @@ class Registry:
         locations: modules that register this kind's names; imported on the first lookup.
         backend: a trainrun registry to keep the names in, shared with trainrun's configs;
             None: a registry of its own.
+        parent: the registry a downstream code base's registry extends (MMEngine's
+            ``Registry('model', parent=MODELS, scope='mmdet')``): the two share their names,
+            since trainrun has no scopes (a name registered twice is refused as usual).
+        scope: the code base's name, kept as ``scope``; names are not prefixed with it.
     """
 
     def __init__(self, name: str, build_func: Callable[..., Any] | None = None,
                  locations: Sequence[str] = (),
-                 backend: trainrun_registry.Registry | None = None) -> None:
+                 backend: trainrun_registry.Registry | None = None,
+                 parent: Registry | None = None, scope: str | None = None) -> None:
         self._name = name
+        self.scope = scope
+        if parent is not None:
+            build_func = build_func if build_func is not None else parent.build_func
+            backend = parent.backend
         self.build_func = build_func if build_func is not None else build_from_cfg
         self.backend = backend if backend is not None else trainrun_registry.Registry(name)
         self._locations = tuple(locations)  # a backend's own are imported by the backend

@@ -187,7 +187,7 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
 def hook_sections(default_hooks: Mapping[str, Any] | None, by_epoch: bool
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """trainrun's ``checkpoint`` and ``logging`` sections from MMEngine's ``default_hooks``."""
-    checkpoint: dict[str, Any] = {"interval": 1}
+    checkpoint: dict[str, Any] = {"interval": 1, "max_keep": -1}  # MMEngine's default hook
     logging: dict[str, Any] = {}
     for name, cfg in (default_hooks or {}).items():
         if name not in DEFAULT_HOOK_TYPES:
@@ -309,6 +309,29 @@ def strategy_of(section: Mapping[str, Any]) -> Any:
     return MMEngineDDP(**options) if section["type"] == "ddp" else dict(section)
 
 
+def with_wrapper_options(strategy: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    """``strategy`` with the DDP options MMEngine's Runner reads from its config:
+    ``model_wrapper_cfg`` (MMDistributedDataParallel's options) and
+    ``find_unused_parameters``."""
+    out = dict(strategy)
+    if not isinstance(cfg, Mapping):
+        return out
+    wrapper = dict(cfg.get("model_wrapper_cfg") or {})
+    if "find_unused_parameters" in cfg:
+        wrapper.setdefault("find_unused_parameters", cfg["find_unused_parameters"])
+    if not wrapper:
+        return out
+    if out["type"] != "ddp":
+        raise refused("model_wrapper_cfg", cfg.get("model_wrapper_cfg"),
+                      "give the strategy's options in strategy")
+    kind = type_name(wrapper.pop("type", "MMDistributedDataParallel"))
+    if kind != "MMDistributedDataParallel":
+        raise refused("model_wrapper_cfg.type", kind, "use MMDistributedDataParallel")
+    wrapper.pop("device_ids", None)  # trainrun gives each rank its own device
+    only("model_wrapper_cfg", wrapper, DDP_WRAPPER_KEYS)
+    return {**out, **wrapper}
+
+
 def start_from(run_dir: MMEngineRunDir, resume: Any, load_from: str | None) -> bool | str:
     """trainrun's ``resume`` for MMEngine's ``resume`` and ``load_from``: with both, resume
     from ``load_from``; ``resume=True`` alone, from the newest checkpoint of the work directory
@@ -392,6 +415,7 @@ class Runner(TrainrunRunner):
         only("randomness", randomness, {"seed", "deterministic", "diff_rank_seed"})
         if randomness.get("diff_rank_seed"):
             raise refused("randomness.diff_rank_seed", True)
+        strategy = with_wrapper_options(strategy, cfg)
         joined = join(launcher, env_cfg)
         try:
             seed = randomness.get("seed")
@@ -443,14 +467,14 @@ class Runner(TrainrunRunner):
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any]) -> Runner:  # type: ignore[override]
-        """A runner from an MMEngine config (a ``Config`` or a dict of the constructor's
-        arguments); keys the constructor does not take are refused."""
+        """A runner from an MMEngine config (a ``Config`` or a dict): its keys that are the
+        constructor's arguments, with the whole config as ``cfg``. Its other keys are the
+        config's own variables (``data_root``, ``train_pipeline``, ...), as MMEngine takes
+        them; the two MMEngine's Runner reads from the config, ``model_wrapper_cfg`` and
+        ``find_unused_parameters``, are read the same way."""
         import inspect
 
         accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "cfg"}
-        for key in cfg:
-            if key not in accepted and key not in ("runner_type",):
-                raise refused(key, cfg[key], f"not an argument of MMEngine's {cls.__name__}")
         return cls(**{key: cfg[key] for key in cfg if key in accepted}, cfg=cfg)
 
 
