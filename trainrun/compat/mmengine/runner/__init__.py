@@ -150,8 +150,10 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
         raise refused("optim_wrapper", cfg, "give a dict")
     cfg = dict(cfg)
     kind = type_name(cfg.pop("type", "OptimWrapper"))
-    if kind not in ("OptimWrapper", "AmpOptimWrapper"):
-        raise refused("optim_wrapper.type", kind, "use OptimWrapper or AmpOptimWrapper")
+    if kind not in ("OptimWrapper", "AmpOptimWrapper", "DeepSpeedOptimWrapper"):
+        raise refused("optim_wrapper.type", kind,
+                      "use OptimWrapper, AmpOptimWrapper or (with DeepSpeedStrategy) "
+                      "DeepSpeedOptimWrapper")
     precision = "fp32"
     if kind == "AmpOptimWrapper":
         dtype = cfg.pop("dtype", None)
@@ -542,7 +544,10 @@ def strategy_section(cfg: Any) -> tuple[dict[str, Any], str | None]:
         return out, None
     if kind == "DeepSpeedStrategy":
         only("strategy", cfg, {"zero_optimization", "fp16", "bf16", "gradient_clipping",
-                               "steps_per_print"})
+                               "steps_per_print", "inputs_to_half"})
+        # MMEngine casts these inputs to half for DeepSpeed's fp16 engine; trainrun runs the
+        # forward under autocast instead, which takes the inputs as they are
+        cfg.pop("inputs_to_half", None)
         zero = dict(cfg.pop("zero_optimization", None) or {})
         stage = zero.pop("stage", 0)
         precision = None
