@@ -102,7 +102,7 @@ def collate_function(key: str, value: Any) -> Callable:
     raise refused(key, value, "give a function or dict(type=<function name>)")
 
 
-def build_loader(key: str, cfg: Any, seed: int, train: bool) -> DataLoader | None:
+def build_loader(key: str, cfg: Any, seed: int) -> DataLoader | None:
     """A DataLoader from MMEngine's dataloader dict (or a DataLoader as it is): the data set
     (an object or a config dict for ``DATASETS``), ``DefaultSampler`` seeded with ``seed``, no
     generator of its own (each pass draws its base seed from the global generator, as
@@ -211,7 +211,10 @@ def hook_sections(default_hooks: Mapping[str, Any] | None, by_epoch: bool
             checkpoint = {"interval": cfg.get("interval", 1),
                           "max_keep": cfg.get("max_keep_ckpts", -1),
                           "save_last": cfg.get("save_last", True)}
-            if cfg.get("save_best") not in (None, "auto"):
+            if cfg.get("save_best") == "auto":
+                raise refused("default_hooks.checkpoint.save_best", "auto",
+                              "name the metric, e.g. save_best='accuracy'")
+            if cfg.get("save_best") is not None:
                 checkpoint["save_best"] = cfg["save_best"]
                 if cfg.get("rule"):
                     checkpoint["best_rule"] = cfg["rule"]
@@ -296,6 +299,13 @@ def join(launcher: str, env_cfg: Mapping[str, Any] | None) -> bool:
     only("env_cfg.mp_cfg", mp_cfg, {"mp_start_method", "opencv_num_threads"})
     if "mp_start_method" in mp_cfg:
         torch.multiprocessing.set_start_method(mp_cfg["mp_start_method"], force=True)
+    if "opencv_num_threads" in mp_cfg:
+        try:
+            import cv2
+        except ImportError:
+            pass  # OpenCV's threads matter only to code that imports it
+        else:
+            cv2.setNumThreads(mp_cfg["opencv_num_threads"])
     dist_cfg = dict(env_cfg.get("dist_cfg") or {})
     only("env_cfg.dist_cfg", dist_cfg, {"backend", "timeout"})
     if launcher == "none" or is_distributed():
@@ -429,7 +439,7 @@ class Runner(TrainrunRunner):
             schedule = loop_section(train_cfg) if train_dataloader is not None else None
             by_epoch = schedule is None or "max_epochs" in schedule
             train_loader = build_loader("train_dataloader", train_dataloader,
-                                        randomness["seed"], True)
+                                        randomness["seed"])
             optim, wrapper_precision = optim_section(optim_wrapper)
             scheduler = None
             if train_loader is not None and param_scheduler is not None:
@@ -441,9 +451,9 @@ class Runner(TrainrunRunner):
             super().__init__(
                 model=model, work_dir=run_dir, train_dataloader=train_loader,
                 val_dataloader=build_loader("val_dataloader", val_dataloader,
-                                            randomness["seed"], False),
+                                            randomness["seed"]),
                 test_dataloader=build_loader("test_dataloader", test_dataloader,
-                                             randomness["seed"], False),
+                                             randomness["seed"]),
                 optim=optim, scheduler=scheduler, strategy=strategy_of(strategy),
                 precision=precision or wrapper_precision, schedule=schedule,
                 val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
