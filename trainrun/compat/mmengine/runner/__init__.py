@@ -383,18 +383,9 @@ class Runner(TrainrunRunner):
                  default_scope: str | None = "mmengine",
                  randomness: Mapping[str, Any] | None = None, experiment_name: str | None = None,
                  cfg: Any = None) -> None:
-        self._start(
-            {"type": "ddp", "broadcast_buffers": False}, None, model=model, work_dir=work_dir,
-            train_dataloader=train_dataloader, val_dataloader=val_dataloader,
-            test_dataloader=test_dataloader, train_cfg=train_cfg, val_cfg=val_cfg,
-            test_cfg=test_cfg, auto_scale_lr=auto_scale_lr, optim_wrapper=optim_wrapper,
-            param_scheduler=param_scheduler, val_evaluator=val_evaluator,
-            test_evaluator=test_evaluator, default_hooks=default_hooks,
-            custom_hooks=custom_hooks, data_preprocessor=data_preprocessor,
-            load_from=load_from, resume=resume, launcher=launcher, env_cfg=env_cfg,
-            log_processor=log_processor, log_level=log_level, visualizer=visualizer,
-            default_scope=default_scope, randomness=randomness,
-            experiment_name=experiment_name, cfg=cfg)
+        arguments = dict(locals())  # MMEngine's arguments, by name
+        del arguments["self"]
+        self._start({"type": "ddp", "broadcast_buffers": False}, None, **arguments)
 
     def _start(self, strategy: Mapping[str, Any], precision: str | None, *, model: Any,
                work_dir: str, train_dataloader: Any, val_dataloader: Any,
@@ -601,22 +592,14 @@ class FlexibleRunner(Runner):
                  default_scope: str | None = "mmengine",
                  randomness: Mapping[str, Any] | None = None, compile: Any = False,
                  cfg: Any = None) -> None:
+        arguments = dict(locals())  # MMEngine's arguments, by name
+        for name in ("self", "strategy", "compile"):
+            del arguments[name]
         if compile:
             raise refused("compile", compile, "set trainrun's compile in a trainrun config")
-        section, precision = strategy_section(strategy)
-        self._start(
-            section, precision, model=model, work_dir=work_dir,
-            train_dataloader=train_dataloader, val_dataloader=val_dataloader,
-            test_dataloader=test_dataloader, train_cfg=train_cfg, val_cfg=val_cfg,
-            test_cfg=test_cfg, auto_scale_lr=auto_scale_lr, optim_wrapper=optim_wrapper,
-            param_scheduler=param_scheduler, val_evaluator=val_evaluator,
-            test_evaluator=test_evaluator, default_hooks=default_hooks,
-            custom_hooks=custom_hooks, data_preprocessor=data_preprocessor,
-            load_from=load_from, resume=resume,
-            launcher=infer_launcher() if launcher is None else launcher, env_cfg=env_cfg,
-            log_processor=log_processor, log_level=log_level, visualizer=visualizer,
-            default_scope=default_scope, randomness=randomness,
-            experiment_name=experiment_name, cfg=cfg)
+        if launcher is None:
+            arguments["launcher"] = infer_launcher()
+        self._start(*strategy_section(strategy), **arguments)
 
 
 RUNNERS.register_module(module=Runner)
