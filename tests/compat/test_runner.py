@@ -5,6 +5,7 @@ MMEngine's loaders (no generator of their own) and a model that draws random num
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from tests.cli import run
 from trainrun.compat.mmengine.config import Config
 from trainrun.compat.mmengine.model import BaseModel
 from trainrun.compat.mmengine.runner import Runner
@@ -161,3 +163,17 @@ def test_a_hook_point_trainrun_does_not_call_is_refused(tmp_path: Path):
 
     with pytest.raises(ConfigError, match="^PerBatch.after_val_iter: a hook point"):
         Runner(**arguments(tmp_path / "run", custom_hooks=[PerBatch()]))
+
+
+def test_a_script_that_does_not_catch_a_refusal_exits_2_in_one_line(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from trainrun.compat.mmengine.runner import Runner\n"
+        f"Runner(model=torch.nn.Linear(2, 2), work_dir={str(tmp_path / 'run')!r},\n"
+        "       auto_scale_lr=dict(enable=True, base_batch_size=16))\n")
+    done = run([sys.executable, str(script)])
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: auto_scale_lr={'enable': True, 'base_batch_size': 16}: not supported by "
+        "trainrun.compat.mmengine"]

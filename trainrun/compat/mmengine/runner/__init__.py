@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -38,6 +39,7 @@ from trainrun.dist import (
     is_distributed,
     sync_random_seed,
 )
+from trainrun.exits import EXIT_USAGE
 from trainrun.runner.hooks.base import Hook as TrainrunHook
 from trainrun.runner.runner import Runner as TrainrunRunner
 from trainrun.runner.schema import ConfigError
@@ -50,6 +52,23 @@ LOADER_KEYS = {"dataset", "sampler", "batch_size", "num_workers", "persistent_wo
 DEFAULT_HOOK_TYPES = {"runtime_info": "RuntimeInfoHook", "timer": "IterTimerHook",
                       "sampler_seed": "DistSamplerSeedHook", "logger": "LoggerHook",
                       "param_scheduler": "ParamSchedulerHook", "checkpoint": "CheckpointHook"}
+
+
+def exit_2_on_refusal(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    """``sys.excepthook`` while a script uses the compat Runner: a refusal nothing caught (a
+    ``ConfigError``) ends the script as trainrun's command lines end: one line on stderr
+    (from rank 0), exit code 2. Anything else goes to the hook that was there before."""
+    if not issubclass(kind, ConfigError):
+        _previous_hook(kind, error, trace)
+        return
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write("error: " + " ".join(str(error).split("\n")) + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_USAGE)  # after an uncaught exception Python would exit 1
+
+
+_previous_hook = sys.excepthook
 
 
 def refused(key: str, value: Any, why: str = "") -> ConfigError:
@@ -396,7 +415,9 @@ class Runner(TrainrunRunner):
                env_cfg: Any, log_processor: Any, log_level: Any, visualizer: Any,
                default_scope: Any, randomness: Any, experiment_name: Any, cfg: Any) -> None:
         """Translate MMEngine's arguments and build trainrun's Runner with ``strategy`` (its
-        section) and ``precision`` (None: the optimiser wrapper's)."""
+        section) and ``precision`` (None: the optimiser wrapper's). From here on, a refusal a
+        script does not catch exits 2 in one line (``exit_2_on_refusal``)."""
+        sys.excepthook = exit_2_on_refusal
         for key, value, neutral in (("auto_scale_lr", auto_scale_lr, (None,)),
                                     ("visualizer", visualizer, (None,)),
                                     ("log_processor", log_processor, (None,)),
