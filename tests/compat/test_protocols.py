@@ -212,3 +212,30 @@ def test_a_data_section_may_hold_a_built_data_set(tmp_path: Path):
     with pytest.raises(ConfigError, match="batch_sise"):
         Runner(model=MMNet(), work_dir=tmp_path / "c",
                train_dataloader={"dataset": Points(), "batch_sise": 4})
+
+
+def test_a_metric_gets_the_data_sets_metainfo(tmp_path: Path):
+    from trainrun.compat.mmengine.runner import Runner as CompatRunner
+
+    class Named(Points):
+        metainfo = {"classes": ("low", "mid", "high")}
+
+    seen = []
+
+    class Classes(Accuracy):
+        def compute_metrics(self, results):
+            seen.append(self.dataset_meta)
+            return super().compute_metrics(results)
+
+    runner = CompatRunner(
+        model=MMNet(), work_dir=str(tmp_path / "run"),
+        train_dataloader={"dataset": Points(), "batch_size": 8,
+                          "collate_fn": {"type": "default_collate"}},
+        train_cfg={"by_epoch": True, "max_epochs": 1},
+        optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.1}},
+        val_dataloader={"dataset": Named(16), "batch_size": 8,
+                        "collate_fn": {"type": "default_collate"}},
+        val_cfg={}, val_evaluator={"type": Classes})
+    runner.train()
+    runner.close()
+    assert seen == [{"classes": ("low", "mid", "high")}]

@@ -105,7 +105,8 @@ class Evaluator:
     @dataset_meta.setter
     def dataset_meta(self, meta: dict | None) -> None:
         for metric in self.metrics:
-            metric.dataset_meta = meta
+            if isinstance(metric, BaseMetric):  # trainrun's own metrics have no meta
+                metric.dataset_meta = meta
 
     def process(self, data_samples: Any, data_batch: Any = None) -> None:
         """Give one batch's predictions to every metric."""

@@ -264,18 +264,21 @@ def build_custom_hooks(cfgs: Sequence[Any] | None) -> list[TrainrunHook]:
 # ---------------------------------------------------------------- the runner
 
 
-def evaluator_metrics(key: str, cfg: Any) -> list[Any] | None:
-    """The metrics of MMEngine's ``val_evaluator``/``test_evaluator``."""
+def evaluator_metrics(key: str, cfg: Any, loader: DataLoader | None) -> list[Any] | None:
+    """The metrics of MMEngine's ``val_evaluator``/``test_evaluator``, each given the data
+    set's ``metainfo`` as its ``dataset_meta`` (as MMEngine's loops give it)."""
     if cfg is None:
         return None
-    if isinstance(cfg, Evaluator):
-        return cfg.metrics
     if isinstance(cfg, Mapping) and type_name(cfg.get("type")) == "Evaluator":
         cfg = cfg.get("metrics")
     try:
-        return Evaluator(cfg).metrics
+        evaluator = cfg if isinstance(cfg, Evaluator) else Evaluator(cfg)
     except (KeyError, TypeError) as error:
         raise ConfigError(f"{key}: {error}") from None
+    meta = getattr(getattr(loader, "dataset", None), "metainfo", None)
+    if meta is not None:
+        evaluator.dataset_meta = meta
+    return evaluator.metrics
 
 
 def loop_section(train_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -460,16 +463,16 @@ class Runner(TrainrunRunner):
                                               schedule.get("max_epochs"))
             checkpoint, logging = hook_sections(default_hooks, by_epoch)
             run_dir = MMEngineRunDir(work_dir)
+            val_loader = build_loader("val_dataloader", val_dataloader, randomness["seed"])
+            test_loader = build_loader("test_dataloader", test_dataloader, randomness["seed"])
+            val_metrics = evaluator_metrics("val_evaluator", val_evaluator, val_loader)
+            test_metrics = evaluator_metrics("test_evaluator", test_evaluator, test_loader)
             super().__init__(
                 model=model, work_dir=run_dir, train_dataloader=train_loader,
-                val_dataloader=build_loader("val_dataloader", val_dataloader,
-                                            randomness["seed"]),
-                test_dataloader=build_loader("test_dataloader", test_dataloader,
-                                             randomness["seed"]),
+                val_dataloader=val_loader, test_dataloader=test_loader,
                 optim=optim, scheduler=scheduler, strategy=strategy_of(strategy),
                 precision=precision or wrapper_precision, schedule=schedule,
-                val_metrics=evaluator_metrics("val_evaluator", val_evaluator),
-                test_metrics=evaluator_metrics("test_evaluator", test_evaluator),
+                val_metrics=val_metrics, test_metrics=test_metrics,
                 hooks=[*build_custom_hooks(custom_hooks), LastCheckpointFile(run_dir)],
                 randomness=randomness, logging=logging or None, checkpoint=checkpoint,
                 resume=start_from(run_dir, resume, load_from),
