@@ -57,14 +57,20 @@ def train(script: Path, work_dir: Path, procs: int, *args: str) -> dict[tuple[in
     return records
 
 
+RUNS = {  # processes, options, iterations recorded (over all ranks)
+    "1 process, tuple samples": (1, ("--data-format", "tuple"), 96),
+    "2 processes, dict samples": (2, ("--data-format", "dict"), 96),
+    "2 processes, InfiniteSampler": (2, ("--iter-based",), 80),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("procs", "data_format"), [(1, "tuple"), (2, "dict")])
-def test_the_compat_runner_gives_mmengines_losses_on_every_rank(
-        tmp_path: Path, procs: int, data_format: str):
-    options = ("--data-format", data_format)
+@pytest.mark.parametrize("name", RUNS)
+def test_the_compat_runner_gives_mmengines_losses_on_every_rank(tmp_path: Path, name: str):
+    procs, options, count = RUNS[name]
     theirs = train(SCRIPTS / "mmengine_on_cpu.py", tmp_path / "mmengine", procs, *options)
     ours = train(compat_script(tmp_path), tmp_path / "compat", procs, *options)
-    assert len(theirs) == 96 and sorted(ours) == sorted(theirs)
+    assert len(theirs) == count and sorted(ours) == sorted(theirs)
     for key, record in theirs.items():
         assert abs(ours[key]["loss"] - record["loss"]) <= 1e-6, key
         assert ours[key]["labels"] == record["labels"], key  # the same samples, in order

@@ -29,7 +29,7 @@ TABLE = {
     "optim": ["OptimWrapper", "AmpOptimWrapper", *SCHEDULES],
     "hooks": ["Hook", "CheckpointHook", "LoggerHook", "IterTimerHook", "ParamSchedulerHook",
               "DistSamplerSeedHook", "RuntimeInfoHook", "EMAHook"],
-    "dataset": ["DefaultSampler", "default_collate", "pseudo_collate"],
+    "dataset": ["DefaultSampler", "InfiniteSampler", "default_collate", "pseudo_collate"],
     "config": ["Config", "ConfigDict", "DictAction"],
     "registry": ["MODELS", "DATASETS", "METRICS", "HOOKS", "OPTIMIZERS", "PARAM_SCHEDULERS",
                  "RUNNERS", "FUNCTIONS"],

@@ -136,6 +136,8 @@ def parse_args():
     parser.add_argument('--work-dir', default='/tmp/mm_oracle_work')
     parser.add_argument('--seed', type=int, default=42)
     parser.add_argument('--data-format', choices=['dict', 'tuple'], default='dict')
+    parser.add_argument('--iter-based', action='store_true',
+                        help='IterBasedTrainLoop over an InfiniteSampler, for 40 iterations')
     args = parser.parse_args()
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
@@ -150,6 +152,14 @@ def main():
                        data_format=args.data_format)
     model = dict(type='Net')
     checkpoint = dict(type='CheckpointHook', interval=1)
+    sampler = dict(type='DefaultSampler', shuffle=True)
+    scheduler = dict(type='MultiStepLR', by_epoch=True, milestones=[2], gamma=0.1)
+    loop = dict(by_epoch=True, max_epochs=3, val_interval=1)
+    if args.iter_based:
+        checkpoint = dict(type='CheckpointHook', interval=20, by_epoch=False)
+        sampler = dict(type='InfiniteSampler', shuffle=True)
+        scheduler = dict(type='MultiStepLR', by_epoch=False, milestones=[25], gamma=0.1)
+        loop = dict(type='IterBasedTrainLoop', max_iters=40, val_interval=20)
 
     runner = Runner(
         model=model,
@@ -158,11 +168,11 @@ def main():
             batch_size=8,
             num_workers=0,
             dataset=dataset,
-            sampler=dict(type='DefaultSampler', shuffle=True),
+            sampler=sampler,
             collate_fn=dict(type='default_collate')),
         optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1, momentum=0.9)),
-        param_scheduler=dict(type='MultiStepLR', by_epoch=True, milestones=[2], gamma=0.1),
-        train_cfg=dict(by_epoch=True, max_epochs=3, val_interval=1),
+        param_scheduler=scheduler,
+        train_cfg=loop,
         val_dataloader=dict(
             batch_size=8,
             num_workers=0,

@@ -10,9 +10,9 @@ registries of their own, since trainrun's names for them stand for other things.
 
 ``OPTIMIZERS`` knows ``torch.optim``'s optimisers by their class names (``SGD``, ``AdamW``,
 ...), and ``FUNCTIONS`` the collate functions ``default_collate`` and ``pseudo_collate`` of
-``trainrun.compat.mmengine.dataset``, imported when first asked for. Not supported: MMEngine's
-scopes (``default_scope``, ``'mmdet.ResNet'``) and parent registries; a dotted type is an
-import path.
+``trainrun.compat.mmengine.dataset``, imported when first asked for. A downstream code base's
+registry (``Registry('model', parent=MODELS, scope='mmdet')``) shares its parent's names: there
+are no scopes (``default_scope``, ``'mmdet.ResNet'``), and a dotted type is an import path.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from trainrun.checkpoint.manager import LAST
 from trainrun.compat.mmengine.checkpoint import MMEngineDDP, continue_as_mmengine, load_checkpoint
-from trainrun.compat.mmengine.dataset import DefaultSampler, pseudo_collate
+from trainrun.compat.mmengine.dataset import DefaultSampler, InfiniteSampler, pseudo_collate
 from trainrun.compat.mmengine.evaluator import Evaluator
 from trainrun.compat.mmengine.hooks import COMPAT_HOOKS, HookAdapter
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
@@ -121,11 +121,13 @@ def collate_function(key: str, value: Any) -> Callable:
     raise refused(key, value, "give a function or dict(type=<function name>)")
 
 
-def build_loader(key: str, cfg: Any, seed: int) -> DataLoader | None:
+def build_loader(key: str, cfg: Any, seed: int, max_iters: int | None = None
+                 ) -> DataLoader | None:
     """A DataLoader from MMEngine's dataloader dict (or a DataLoader as it is): the data set
-    (an object or a config dict for ``DATASETS``), ``DefaultSampler`` seeded with ``seed``, no
-    generator of its own (each pass draws its base seed from the global generator, as
-    MMEngine's loaders do) and MMEngine's worker seeds."""
+    (an object or a config dict for ``DATASETS``), its sampler seeded with ``seed``
+    (``DefaultSampler``; ``InfiniteSampler`` for the training data of an iteration-based run
+    of ``max_iters``), no generator of its own (each pass draws its base seed from the global
+    generator, as MMEngine's loaders do) and MMEngine's worker seeds."""
     if cfg is None or isinstance(cfg, DataLoader):
         return cfg
     if not isinstance(cfg, Mapping):
@@ -138,11 +140,19 @@ def build_loader(key: str, cfg: Any, seed: int) -> DataLoader | None:
         raise ConfigError(f"{key}.dataset: missing")
     sampler_cfg = dict(cfg.get("sampler") or {"type": "DefaultSampler"})
     kind = type_name(sampler_cfg.pop("type", "DefaultSampler"))
-    if kind != "DefaultSampler":
-        raise refused(f"{key}.sampler.type", kind, "use DefaultSampler")
-    only(f"{key}.sampler", sampler_cfg, {"shuffle", "seed", "round_up"})
+    samplers = ("DefaultSampler", "InfiniteSampler") if max_iters else ("DefaultSampler",)
+    if kind not in samplers:
+        raise refused(f"{key}.sampler.type", kind, "use DefaultSampler" + (
+            "" if max_iters else " (InfiniteSampler: for an iteration-based run's training)"))
+    allowed = {"shuffle", "seed", "round_up"} if kind == "DefaultSampler" else {"shuffle", "seed"}
+    only(f"{key}.sampler", sampler_cfg, allowed)
+    sampler_cfg.setdefault("seed", seed)
     try:
-        sampler = DefaultSampler(dataset, seed=sampler_cfg.pop("seed", seed), **sampler_cfg)
+        if kind == "DefaultSampler":
+            sampler = DefaultSampler(dataset, **sampler_cfg)
+        else:
+            sampler = InfiniteSampler(dataset, samples=max_iters * cfg.get("batch_size", 1),
+                                      **sampler_cfg)
     except ValueError as error:
         raise ConfigError(f"{key}.sampler: {error}") from None
     workers = cfg.get("num_workers", 0)
@@ -454,7 +464,8 @@ class Runner(TrainrunRunner):
             schedule = loop_section(train_cfg) if train_dataloader is not None else None
             by_epoch = schedule is None or "max_epochs" in schedule
             train_loader = build_loader("train_dataloader", train_dataloader,
-                                        randomness["seed"])
+                                        randomness["seed"],
+                                        schedule.get("max_iters") if schedule else None)
             optim, wrapper_precision = optim_section(optim_wrapper)
             scheduler = None
             if train_loader is not None and param_scheduler is not None:
