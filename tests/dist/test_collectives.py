@@ -379,6 +379,10 @@ def _reduce_dict_not_a_dict_body():
         dist.all_reduce_dict("foo")
     with pytest.raises(TypeError, match="expected a dict .*; got list"):
         dist.all_reduce_dict([torch.ones(1)])
+    with pytest.raises(AssertionError):  # what MMEngine raises, and its own tests expect
+        dist.all_reduce_dict("foo")
+    with pytest.raises(AssertionError):
+        dist.broadcast_object_list("foo")
 
 
 def test_all_reduce_dict_refuses_a_non_dict(on_ranks):

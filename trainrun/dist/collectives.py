@@ -47,6 +47,12 @@ def reduce_op_name(op: str) -> str:
     return name
 
 
+class WrongArgument(TypeError, AssertionError):
+    """A collective got an argument of the wrong kind (``all_reduce_dict`` no dict,
+    ``broadcast_object_list`` no list): a TypeError, and the AssertionError MMEngine raises
+    there, which code and tests written for MMEngine catch."""
+
+
 class Handle:
     """What a collective called with ``async_op=True`` returns, to finish its work later.
 
@@ -475,13 +481,13 @@ def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
         ordered dict of the reduced values in ``data``'s key order.
 
     Raises:
-        TypeError: when ``data`` is not a dict (or other mapping); the message names the type
-            it got.
+        WrongArgument: when ``data`` is not a dict (or other mapping); the message names the
+            type it got. It is a TypeError, and the AssertionError MMEngine raises.
         ValueError: when ``op`` is not one of the reduce ops; the message names them.
     """
     if not isinstance(data, Mapping):
-        raise TypeError(f"all_reduce_dict expected a dict of tensors or numbers; got "
-                        f"{type(data).__name__}")
+        raise WrongArgument(f"all_reduce_dict expected a dict of tensors or numbers; got "
+                           f"{type(data).__name__}")
     op = reduce_op_name(op)
     keys = sorted(data)
     tensors = {k: _dict_value(data[k]) for k in keys}

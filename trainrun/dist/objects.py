@@ -26,7 +26,7 @@ import torch.distributed as torch_dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from trainrun.dist.collectives import _global_rank, _group
+from trainrun.dist.collectives import WrongArgument, _global_rank, _group
 from trainrun.dist.device import get_comm_device
 from trainrun.dist.info import (
     barrier,
@@ -99,11 +99,12 @@ def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | N
         group: the process group; None for the default group.
 
     Raises:
-        TypeError: when ``data`` is not a list.
+        WrongArgument: when ``data`` is not a list (a TypeError, and the AssertionError
+            MMEngine raises).
     """
     if not isinstance(data, list):
-        raise TypeError(f"broadcast_object_list fills a list in place; got "
-                        f"{type(data).__name__} {data!r:.60}")
+        raise WrongArgument(f"broadcast_object_list fills a list in place; got "
+                            f"{type(data).__name__} {data!r:.60}")
     if get_world_size(group) == 1:
         return
     group = _group(group)

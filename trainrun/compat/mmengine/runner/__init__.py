@@ -380,6 +380,8 @@ def start_from(run_dir: MMEngineRunDir, resume: Any, load_from: str | None) -> b
     """trainrun's ``resume`` for MMEngine's ``resume`` and ``load_from``: with both, resume
     from ``load_from``; ``resume=True`` alone, from the newest checkpoint of the work directory
     (trainrun's ``last``, else MMEngine's ``last_checkpoint`` in a directory MMEngine wrote)."""
+    if isinstance(resume, (str, os.PathLike)):  # MMEngine also takes the path itself
+        return str(resume)
     if resume and load_from:
         return str(load_from)
     if resume and not (run_dir.checkpoints / LAST).is_file() \
