@@ -431,8 +431,10 @@ class Runner(TrainrunRunner):
                default_scope: Any, randomness: Any, experiment_name: Any, cfg: Any) -> None:
         """Translate MMEngine's arguments and build trainrun's Runner with ``strategy`` (its
         section) and ``precision`` (None: the optimiser wrapper's). From here on, a refusal a
-        script does not catch exits 2 in one line (``exit_2_on_refusal``)."""
-        sys.excepthook = exit_2_on_refusal
+        script (not an interactive prompt) does not catch exits 2 in one line
+        (``exit_2_on_refusal``)."""
+        if not (hasattr(sys, "ps1") or sys.flags.interactive):  # a script, not a prompt
+            sys.excepthook = exit_2_on_refusal
         for key, value, neutral in (("auto_scale_lr", auto_scale_lr, (None,)),
                                     ("visualizer", visualizer, (None,)),
                                     ("log_processor", log_processor, (None,)),
