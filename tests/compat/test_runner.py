@@ -137,11 +137,16 @@ def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: 
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-def test_a_sampler_other_than_the_default_is_refused(tmp_path: Path):
+def test_a_sampler_other_than_mmengines_two_is_refused(tmp_path: Path):
     loader = {"dataset": {"type": CompatPoints}, "batch_size": 8,
-              "sampler": {"type": "InfiniteSampler", "shuffle": True}}
-    with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='InfiniteSampler'"):
+              "sampler": {"type": "GroupSampler", "shuffle": True}}
+    with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='GroupSampler'"):
         Runner(**arguments(tmp_path / "run", train_dataloader=loader))
+    by_epoch = {"train_cfg": {"by_epoch": True, "max_epochs": 2},
+                "default_hooks": {"checkpoint": {"type": "CheckpointHook", "interval": 1}}}
+    loader["sampler"]["type"] = "InfiniteSampler"  # an epoch-based run's data has an end
+    with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='InfiniteSampler'"):
+        Runner(**arguments(tmp_path / "run", train_dataloader=loader, **by_epoch))
 
 
 def test_from_cfg_takes_the_configs_variables_and_its_wrapper_options(tmp_path: Path):

@@ -481,8 +481,8 @@ def all_reduce_dict(data: Mapping[str, Tensor | float | int], op: str = "sum",
         ordered dict of the reduced values in ``data``'s key order.
 
     Raises:
-        WrongArgument: when ``data`` is not a dict (or other mapping); the message names the
-            type it got. It is a TypeError, and the AssertionError MMEngine raises.
+        TypeError: when ``data`` is not a dict (or other mapping); the message names the type
+            it got. It is also the AssertionError MMEngine raises (``WrongArgument``).
         ValueError: when ``op`` is not one of the reduce ops; the message names them.
     """
     if not isinstance(data, Mapping):

@@ -99,8 +99,8 @@ def broadcast_object_list(data: list[Any], src: int = 0, group: ProcessGroup | N
         group: the process group; None for the default group.
 
     Raises:
-        WrongArgument: when ``data`` is not a list (a TypeError, and the AssertionError
-            MMEngine raises).
+        TypeError: when ``data`` is not a list; it is also the AssertionError MMEngine raises
+            (``WrongArgument``).
     """
     if not isinstance(data, list):
         raise WrongArgument(f"broadcast_object_list fills a list in place; got "
