@@ -45,3 +45,9 @@ def closest(word: str, known: Iterable[str], aliases: Mapping[str, str] | None =
 def first_line(error: object) -> str:
     """An error's message (or any text), its first line only: what a one-line report shows."""
     return (str(error).strip().splitlines() or [""])[0]
+
+
+def error_line(error: object) -> str:
+    """A refusal as the command lines print it: ``error:`` and the message, its lines joined
+    into one."""
+    return "error: " + " ".join(str(error).split("\n"))

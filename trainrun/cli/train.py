@@ -31,7 +31,7 @@ from trainrun.cli.launch import launch_workers, leave_report
 from trainrun.dist import PeerFailure, infer_launcher
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
-from trainrun.messages import first_line
+from trainrun.messages import error_line, first_line
 from trainrun.runner.builder import check_types
 from trainrun.runner.config import (
     LAUNCHERS,
@@ -359,13 +359,9 @@ def _print_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _error_line(error: ConfigError) -> str:
-    return "error: " + " ".join(str(error).split("\n"))
-
-
 def _usage_error(error: ConfigError) -> int:
     """Say ``error`` in one line (and leave it for an ``--nproc`` starter); exit code 2."""
-    line = _error_line(error)
+    line = error_line(error)
     leave_report(EXIT_USAGE, line)
     _print_to_stderr(line)
     return EXIT_USAGE
@@ -402,7 +398,7 @@ def _ending(error: BaseException, cfg: DictConfig, runner: Any) -> Ending:
     """The ending ``error`` makes of a run."""
     first = _rank(cfg) == 0
     if isinstance(error, ConfigError):  # every rank finds the same: rank 0 says it
-        return Ending(EXIT_USAGE, _error_line(error) if first else None)
+        return Ending(EXIT_USAGE, error_line(error) if first else None)
     if isinstance(error, Preempted):
         return Ending(EXIT_PREEMPTED, f"preempted: {error}" if first else None)
     if isinstance(error, KeyboardInterrupt):

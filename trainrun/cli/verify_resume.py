@@ -39,6 +39,7 @@ from trainrun.cli import TRAIN, HelpFormatter, epilog, import_from_working_direc
 from trainrun.cli.processes import process_tree
 from trainrun.dist.launch import free_port
 from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from trainrun.messages import error_line
 from trainrun.runner.config import ConfigError, load_config
 from trainrun.runner.hooks.logger import NOT_REPRODUCIBLE
 from trainrun.runner.run_dir import RunDir, is_resume_mark
@@ -552,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse: usage errors (2) and --help (0)
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     except ConfigError as error:
-        _say("error: " + " ".join(str(error).split("\n")), err=True)
+        _say(error_line(error), err=True)
         return EXIT_USAGE
     keep = plan.keep or not temporary
     try:

@@ -76,8 +76,14 @@ def forward_arguments(model: nn.Module, data: Any, mode: str) -> tuple[tuple, di
     Returns:
         The positional and the keyword arguments of the call.
     """
-    own = getattr(getattr(model, "module", model), "forward_arguments", None)
+    own = _own_method(model, "forward_arguments")
     return own(data, mode) if own is not None else ((data,), {"mode": mode})
+
+
+def _own_method(model: nn.Module, name: str) -> Callable[..., Any] | None:
+    """The method ``name`` of the model inside a strategy's wrapper (or of ``model``
+    itself), where it has one."""
+    return getattr(getattr(model, "module", model), name, None)
 
 
 def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
@@ -103,8 +109,7 @@ def loss_step(model: nn.Module, data: Any, optim_wrapper: Any,
     with optim_wrapper.optim_context(model), phase("forward"):
         args, kwargs = forward_arguments(model, data, "loss")
         losses = model(*args, **kwargs)
-    own = getattr(getattr(model, "module", model), "parse_losses", None)
-    loss, log_vars = (own or parse_losses)(losses)
+    loss, log_vars = (_own_method(model, "parse_losses") or parse_losses)(losses)
     if check is not None:
         check(loss)
     optim_wrapper.update_params(loss)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainrun.compat.mmengine.refusal import refused
 from trainrun.runner.hooks.base import NORMAL
 from trainrun.runner.hooks.base import Hook as _Hook
 from trainrun.runner.hooks.ema import EMAHook as _EMAHook
@@ -237,8 +238,7 @@ class EMAHook(_EMAHook):
                                     ("begin_epoch", begin_epoch, 0),
                                     ("update_buffers", update_buffers, False)):
             if value != allowed:
-                raise ConfigError(f"EMAHook.{key}={value!r}: not supported by "
-                                  f"trainrun.compat.mmengine; use {allowed!r}")
+                raise refused(f"EMAHook.{key}", value, f"use {allowed!r}")
         super().__init__(momentum=momentum, interval=interval)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from trainrun.compat.mmengine.refusal import refused, type_name
 from trainrun.runner.schema import ConfigError
 
 INF = int(1e9)  # MMEngine's "no end"
@@ -155,10 +156,6 @@ SCHEDULES: dict[str, tuple[type[Schedule], tuple[str, ...]]] = {
 }
 
 
-def type_name(value: Any) -> str:
-    return value if isinstance(value, str) else getattr(value, "__name__", repr(value))
-
-
 def build_schedule(key: str, cfg: Mapping[str, Any], epoch_length: int,
                    default_end: Callable[[bool], int]) -> Schedule:
     """One scheduler of MMEngine's ``param_scheduler``, as MMEngine's Runner builds it: ``end``
@@ -171,8 +168,8 @@ def build_schedule(key: str, cfg: Mapping[str, Any], epoch_length: int,
     cfg = dict(cfg)
     name = type_name(cfg.pop("type", None))
     if name not in SCHEDULES:
-        raise ConfigError(f"{key}.type={name!r}: not supported by trainrun.compat.mmengine; "
-                          f"the learning-rate schedulers are {', '.join(SCHEDULES)}")
+        raise refused(f"{key}.type", name,
+                      f"the learning-rate schedulers are {', '.join(SCHEDULES)}")
     cls, counted = SCHEDULES[name]
     by_epoch = cfg.pop("by_epoch", True)
     convert = cfg.pop("convert_to_iter_based", False)
@@ -254,8 +251,7 @@ def scheduler_factory(cfg: Any, epoch_length: int | None, max_epochs: int | None
     items = list(cfg) if isinstance(cfg, Sequence) else [cfg]
     for i, item in enumerate(items):
         if not isinstance(item, Mapping):
-            raise ConfigError(f"param_scheduler[{i}]={item!r}: not supported by "
-                              "trainrun.compat.mmengine; give config dicts")
+            raise refused(f"param_scheduler[{i}]", item, "give config dicts")
 
     def make(optimizer: Optimizer, total_iters: int) -> MMEngineRates:
         def default_end(by_epoch: bool) -> int:

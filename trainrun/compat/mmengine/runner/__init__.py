@@ -30,6 +30,7 @@ from trainrun.compat.mmengine.dataset import DefaultSampler, InfiniteSampler, ps
 from trainrun.compat.mmengine.evaluator import Evaluator
 from trainrun.compat.mmengine.hooks import COMPAT_HOOKS, HookAdapter
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
+from trainrun.compat.mmengine.refusal import only, refused, type_name
 from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS, RUNNERS
 from trainrun.compat.mmengine.work_dir import LastCheckpointFile, MMEngineRunDir
 from trainrun.dist import (
@@ -40,6 +41,7 @@ from trainrun.dist import (
     sync_random_seed,
 )
 from trainrun.exits import EXIT_USAGE
+from trainrun.messages import error_line
 from trainrun.runner.hooks.base import Hook as TrainrunHook
 from trainrun.runner.runner import Runner as TrainrunRunner
 from trainrun.runner.schema import ConfigError
@@ -62,32 +64,13 @@ def exit_2_on_refusal(kind: type[BaseException], error: BaseException, trace: An
         _previous_hook(kind, error, trace)
         return
     if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write("error: " + " ".join(str(error).split("\n")) + "\n")
+        sys.stderr.write(error_line(error) + "\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_USAGE)  # after an uncaught exception Python would exit 1
 
 
 _previous_hook = sys.excepthook
-
-
-def refused(key: str, value: Any, why: str = "") -> ConfigError:
-    """The one-line refusal of an argument or option trainrun cannot honour."""
-    return ConfigError(f"{key}={value!r}: not supported by trainrun.compat.mmengine"
-                       + (f"; {why}" if why else ""))
-
-
-def type_name(value: Any) -> str:
-    """A config's ``type``: a string as it is, a class or function by its name."""
-    return value if isinstance(value, str) else getattr(value, "__name__", repr(value))
-
-
-def only(key: str, section: Mapping[str, Any], allowed: set[str]) -> None:
-    """Refuse the first key of ``section`` that is not in ``allowed``."""
-    for name in section:
-        if name not in allowed:
-            raise refused(f"{key}.{name}", section[name],
-                          f"{key} takes {', '.join(sorted(allowed))}")
 
 
 # ---------------------------------------------------------------- loaders
