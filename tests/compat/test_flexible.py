@@ -95,7 +95,8 @@ def test_the_strategies_map_onto_trainruns():
     assert strategy_section({"type": "DeepSpeedStrategy", "bf16": {"enabled": True},
                              "zero_optimization": {"stage": 2, "overlap_comm": True}}) == \
         ({"type": "deepspeed", "zero_stage": 2,
-          "config": {"zero_optimization": {"overlap_comm": True}}}, "bf16")
+          "config": {"zero_optimization": {"overlap_comm": True},
+                     "data_types": {"buffer_dtype": "bf16"}}}, "bf16")
     assert strategy_section(None) == ({"type": "ddp"}, None)
     with pytest.raises(ConfigError, match="^strategy.type='ColossalAIStrategy'"):
         strategy_section({"type": "ColossalAIStrategy"})

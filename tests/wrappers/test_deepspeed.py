@@ -356,3 +356,28 @@ def test_asynchronous_checkpoints_are_refused_at_config_time(tmp_path):
         load_config(str(config), ["checkpoint.async=true"],
                     values={"work_dir": str(tmp_path / "run")})
     assert not (tmp_path / "run").exists()
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for a DeepSpeed engine: keeps what its forward was given."""
+
+    def forward(self, *args, **kwargs):
+        self.seen = (args, kwargs)
+        return {}
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                             ("fp32", torch.float32)])
+def test_the_training_forward_gets_floats_in_the_engines_dtype(precision, dtype):
+    # DeepSpeed holds bf16/fp16 weights and, on CUDA, turns an outer autocast off inside its
+    # forward: float32 inputs would meet bf16 weights (seen on an H200). Labels stay integers.
+    from trainrun.wrappers.deepspeed import MMDeepSpeedEngineWrapper
+
+    engine = _Recorder()
+    batch = {"inputs": torch.ones(2, 3), "labels": torch.tensor([1, 2]),
+             "extra": [torch.zeros(1, dtype=torch.float64)]}
+    MMDeepSpeedEngineWrapper(engine, precision)(batch, mode="loss")
+    (seen,), kwargs = engine.seen
+    assert kwargs == {"mode": "loss"}
+    assert seen["inputs"].dtype == dtype and seen["labels"].dtype == torch.int64
+    assert seen["extra"][0].dtype == (torch.float64 if precision == "fp32" else dtype)

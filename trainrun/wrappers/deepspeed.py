@@ -151,6 +151,18 @@ def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextMan
     return torch.autocast(device_type, dtype) if dtype is not None else contextlib.nullcontext()
 
 
+def _floats_to(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with its floating-point tensors (in lists, tuples and dicts) cast to
+    ``dtype``; integer tensors and everything else as they are."""
+    if isinstance(data, Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, Mapping):
+        return {key: _floats_to(value, dtype) for key, value in data.items()}
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(_floats_to(item, dtype) for item in data)
+    return data
+
+
 def _fsync(files: list[Path]) -> None:
     """Put on disk what DeepSpeed wrote (it saves without fsync), so that a checkpoint is
     never published before its bytes are durable; hashing them meanwhile."""
@@ -349,10 +361,16 @@ class MMDeepSpeedEngineWrapper(nn.Module):
         return self.engine.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The engine's forward, floating-point inputs cast to the weights' bf16/fp16 first:
+        DeepSpeed keeps the weights in that dtype, and on CUDA turns an autocast from outside
+        off inside its forward, so float32 inputs would meet bf16 weights."""
+        dtype = autocast_dtype(self.precision)
+        if dtype is not None:
+            args, kwargs = _floats_to(args, dtype), _floats_to(kwargs, dtype)
         return self.engine(*args, **kwargs)
 
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, Tensor]:
-        return loss_step(self.engine, data, optim_wrapper)
+        return loss_step(self, data, optim_wrapper)
 
     def _eval(self, data: Any, step: str) -> Any:
         with _autocast(self.precision, self.engine.device.type), torch.no_grad():

@@ -568,8 +568,8 @@ def strategy_section(cfg: Any) -> tuple[dict[str, Any], str | None]:
     if kind == "DeepSpeedStrategy":
         only("strategy", cfg, {"zero_optimization", "fp16", "bf16", "gradient_clipping",
                                "steps_per_print", "inputs_to_half"})
-        # MMEngine casts these inputs to half for DeepSpeed's fp16 engine; trainrun runs the
-        # forward under autocast instead, which takes the inputs as they are
+        # MMEngine casts the inputs named here to half for DeepSpeed's fp16/bf16 engine;
+        # trainrun's engine wrapper casts every floating-point input (integer labels stay)
         cfg.pop("inputs_to_half", None)
         zero = dict(cfg.pop("zero_optimization", None) or {})
         stage = zero.pop("stage", 0)
@@ -583,6 +583,11 @@ def strategy_section(cfg: Any) -> tuple[dict[str, Any], str | None]:
         raw = {**cfg.pop("config", {}), **cfg}
         if zero:
             raw["zero_optimization"] = zero
+        if precision:
+            # the DeepSpeed that MMEngine knew cast buffers (BatchNorm's running statistics)
+            # with the weights; DeepSpeed 0.19.8 keeps them in fp32 unless told, and cuDNN's
+            # batch norm then fails in backward
+            raw["data_types"] = {"buffer_dtype": precision}
         return {"type": "deepspeed", "zero_stage": stage, **({"config": raw} if raw else {})}, \
             precision
     raise refused("strategy.type", kind, "use DDPStrategy, FSDPStrategy or DeepSpeedStrategy")
