@@ -61,6 +61,9 @@ RUNS = {  # processes, options, iterations recorded (over all ranks)
     "1 process, tuple samples": (1, ("--data-format", "tuple"), 96),
     "2 processes, dict samples": (2, ("--data-format", "dict"), 96),
     "2 processes, InfiniteSampler": (2, ("--iter-based",), 80),
+    # each rank seeds with seed + rank (dropout differs by rank); the samplers share
+    # MMEngine's synced draw
+    "2 processes, diff_rank_seed": (2, ("--diff-rank-seed",), 96),
 }
 
 

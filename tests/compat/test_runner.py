@@ -107,7 +107,6 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
 
 @pytest.mark.parametrize(("change", "named"), [
     ({"auto_scale_lr": {"enable": True, "base_batch_size": 16}}, "auto_scale_lr"),
-    ({"randomness": {"seed": 1, "diff_rank_seed": True}}, "randomness.diff_rank_seed"),
     ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
                         "clip_grad": {"type": "value", "clip_value": 1}}},
      "optim_wrapper.clip_grad.type"),

@@ -16,6 +16,7 @@ import json
 import os
 import os.path as osp
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ class ToyDataset(Dataset):
     neither reads nor advances the global torch RNG.
     """
 
-    def __init__(self, num_samples=256, data_seed=1234, data_format='dict'):
+    def __init__(self, num_samples=256, data_seed=1234, data_format='dict', jitter=0.0):
         centres = torch.randn(NUM_CLASSES, NUM_FEATURES,
                               generator=torch.Generator().manual_seed(0)) * 0.5
         g = torch.Generator().manual_seed(data_seed)
@@ -48,11 +49,15 @@ class ToyDataset(Dataset):
         noise = torch.randn(num_samples, NUM_FEATURES, generator=g)
         self.inputs = centres[self.labels] + noise
         self.data_format = data_format
+        self.jitter = jitter  # > 0: an augmentation drawing from numpy's global generator
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, idx):
+        if self.jitter:
+            inputs = self.inputs[idx] + float(np.random.uniform(-self.jitter, self.jitter))
+            return dict(inputs=inputs, labels=self.labels[idx])
         if self.data_format == 'tuple':
             # The docs' 15-minute tutorial style: (inputs, label) tuples.
             return self.inputs[idx], self.labels[idx]
@@ -63,13 +68,17 @@ class ToyDataset(Dataset):
 class Net(BaseModel):
     """A 16-32-4 MLP; built from ``dict(type='Net')`` so its init runs after the seeding."""
 
-    def __init__(self, hidden=32):
+    def __init__(self, hidden=32, dropout=0.0):
         super().__init__()
         self.fc1 = nn.Linear(NUM_FEATURES, hidden)
         self.fc2 = nn.Linear(hidden, NUM_CLASSES)
+        self.dropout = dropout  # > 0: each rank's own random stream shows in its losses
 
     def forward(self, inputs, labels, mode='tensor'):
-        x = self.fc2(F.relu(self.fc1(inputs)))
+        x = F.relu(self.fc1(inputs))
+        if self.dropout:
+            x = F.dropout(x, self.dropout, self.training)
+        x = self.fc2(x)
         if mode == 'loss':
             return {'loss': F.cross_entropy(x, labels)}
         elif mode == 'predict':
@@ -138,6 +147,9 @@ def parse_args():
     parser.add_argument('--data-format', choices=['dict', 'tuple'], default='dict')
     parser.add_argument('--iter-based', action='store_true',
                         help='IterBasedTrainLoop over an InfiniteSampler, for 40 iterations')
+    parser.add_argument('--diff-rank-seed', action='store_true',
+                        help='randomness.diff_rank_seed, with dropout 0.5 in the model and '
+                        'a numpy jitter in the training data')
     args = parser.parse_args()
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(args.local_rank)
@@ -147,10 +159,11 @@ def parse_args():
 def main():
     args = parse_args()
     dataset = dict(type='ToyDataset', num_samples=256, data_seed=1234,
-                   data_format=args.data_format)
+                   data_format=args.data_format,
+                   jitter=0.1 if args.diff_rank_seed else 0.0)
     val_dataset = dict(type='ToyDataset', num_samples=64, data_seed=4321,
                        data_format=args.data_format)
-    model = dict(type='Net')
+    model = dict(type='Net', dropout=0.5 if args.diff_rank_seed else 0.0)
     checkpoint = dict(type='CheckpointHook', interval=1)
     sampler = dict(type='DefaultSampler', shuffle=True)
     scheduler = dict(type='MultiStepLR', by_epoch=True, milestones=[2], gamma=0.1)
@@ -183,7 +196,7 @@ def main():
         val_evaluator=dict(type=Accuracy),
         default_hooks=dict(checkpoint=checkpoint),
         custom_hooks=[dict(type='LossRecorderHook')],
-        randomness=dict(seed=args.seed),
+        randomness=dict(seed=args.seed, diff_rank_seed=args.diff_rank_seed),
         launcher=args.launcher,
     )
     runner.train()

@@ -104,13 +104,39 @@ def collate_function(key: str, value: Any) -> Callable:
     raise refused(key, value, "give a function or dict(type=<function name>)")
 
 
-def build_loader(key: str, cfg: Any, seed: int, max_iters: int | None = None
-                 ) -> DataLoader | None:
+class SyncedSeeds:
+    """The seeds MMEngine gives samplers without one under ``diff_rank_seed``: its
+    ``sync_random_seed()``, a draw from numpy's global generator on every rank (rank 0's
+    is used), made as each loader is built, just after seeding with ``seed`` (rank 0's).
+
+    Called, it gives the next draw; `replay` then makes the same draws from this rank's
+    global generator, which MMEngine's loaders would have advanced.
+
+    Args:
+        seed: rank 0's seed.
+    """
+
+    def __init__(self, seed: int):
+        self.generator = np.random.RandomState(seed % 2**32)
+        self.taken = 0
+
+    def __call__(self) -> int:
+        self.taken += 1
+        return int(self.generator.randint(2**31))
+
+    def replay(self) -> None:
+        for _ in range(self.taken):
+            np.random.randint(2**31)
+
+
+def build_loader(key: str, cfg: Any, seed: int, max_iters: int | None = None,
+                 sampler_seed: Callable[[], int] | None = None) -> DataLoader | None:
     """A DataLoader from MMEngine's dataloader dict (or a DataLoader as it is): the data set
-    (an object or a config dict for ``DATASETS``), its sampler seeded with ``seed``
-    (``DefaultSampler``; ``InfiniteSampler`` for the training data of an iteration-based run
-    of ``max_iters``), no generator of its own (each pass draws its base seed from the global
-    generator, as MMEngine's loaders do) and MMEngine's worker seeds."""
+    (an object or a config dict for ``DATASETS``), its sampler (``DefaultSampler``;
+    ``InfiniteSampler`` for the training data of an iteration-based run of ``max_iters``),
+    no generator of its own (each pass draws its base seed from the global generator, as
+    MMEngine's loaders do) and MMEngine's worker seeds from ``seed`` (this rank's).
+    A sampler config without a seed gets ``sampler_seed()``, or ``seed`` when that is None."""
     if cfg is None or isinstance(cfg, DataLoader):
         return cfg
     if not isinstance(cfg, Mapping):
@@ -129,7 +155,8 @@ def build_loader(key: str, cfg: Any, seed: int, max_iters: int | None = None
             "" if max_iters else " (InfiniteSampler: for an iteration-based run's training)"))
     allowed = {"shuffle", "seed", "round_up"} if kind == "DefaultSampler" else {"shuffle", "seed"}
     only(f"{key}.sampler", sampler_cfg, allowed)
-    sampler_cfg.setdefault("seed", seed)
+    if "seed" not in sampler_cfg:
+        sampler_cfg["seed"] = seed if sampler_seed is None else sampler_seed()
     try:
         if kind == "DefaultSampler":
             sampler = DefaultSampler(dataset, **sampler_cfg)
@@ -437,22 +464,23 @@ class Runner(TrainrunRunner):
                 checked_loop_cfg(f"{split}_cfg", loop)
         randomness = dict(randomness or {})
         only("randomness", randomness, {"seed", "deterministic", "diff_rank_seed"})
-        if randomness.get("diff_rank_seed"):
-            raise refused("randomness.diff_rank_seed", True)
         strategy = with_wrapper_options(strategy, cfg)
         joined = join(launcher, env_cfg)
         try:
             seed = randomness.get("seed")
-            randomness["seed"] = sync_random_seed() if seed is None else seed
+            randomness["seed"] = seed = sync_random_seed() if seed is None else seed
+            # diff_rank_seed: each rank seeds with seed + rank; samplers share MMEngine's draws
+            synced = SyncedSeeds(seed) if randomness.get("diff_rank_seed") else None
+            own = seed + get_dist_info()[0] if synced else seed
             if isinstance(model, Mapping):
                 model = dict(model)
                 if data_preprocessor is not None:
                     model.setdefault("data_preprocessor", data_preprocessor)
             schedule = loop_section(train_cfg) if train_dataloader is not None else None
             by_epoch = schedule is None or "max_epochs" in schedule
-            train_loader = build_loader("train_dataloader", train_dataloader,
-                                        randomness["seed"],
-                                        schedule.get("max_iters") if schedule else None)
+            train_loader = build_loader("train_dataloader", train_dataloader, own,
+                                        schedule.get("max_iters") if schedule else None,
+                                        synced)
             optim, wrapper_precision = optim_section(optim_wrapper)
             scheduler = None
             if train_loader is not None and param_scheduler is not None:
@@ -461,8 +489,8 @@ class Runner(TrainrunRunner):
                                               schedule.get("max_epochs"))
             checkpoint, logging = hook_sections(default_hooks, by_epoch)
             run_dir = MMEngineRunDir(work_dir)
-            val_loader = build_loader("val_dataloader", val_dataloader, randomness["seed"])
-            test_loader = build_loader("test_dataloader", test_dataloader, randomness["seed"])
+            val_loader = build_loader("val_dataloader", val_dataloader, own, None, synced)
+            test_loader = build_loader("test_dataloader", test_dataloader, own, None, synced)
             val_metrics = evaluator_metrics("val_evaluator", val_evaluator, val_loader)
             test_metrics = evaluator_metrics("test_evaluator", test_evaluator, test_loader)
             super().__init__(
@@ -475,6 +503,8 @@ class Runner(TrainrunRunner):
                 randomness=randomness, logging=logging or None, checkpoint=checkpoint,
                 resume=start_from(run_dir, resume, load_from),
                 load_from=None if resume else load_from, launcher="none")
+            if synced:  # after the seeding, numpy's generator as MMEngine's loaders left it
+                synced.replay()
         except BaseException:
             if joined:
                 from trainrun.dist import leave_dist
