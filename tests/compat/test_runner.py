@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from tests.cli import run
 from trainrun.compat.mmengine.config import Config
 from trainrun.compat.mmengine.model import BaseModel
+from trainrun.compat.mmengine.param_scheduler import scheduler_factory
 from trainrun.compat.mmengine.runner import Runner
 from trainrun.runner.schema import ConfigError
 
@@ -85,6 +86,29 @@ def test_a_run_resumed_inside_an_epoch_gives_the_losses_of_the_unbroken_run(tmp_
     assert after == {step: straight[step] for step in after}
 
 
+def test_a_one_cycle_run_trains_at_the_rates_of_its_schedule(tmp_path: Path):
+    """The rates (MMEngine's, as tests/compat/test_param_scheduler.py checks) are the
+    run's, resumed inside the cycle too. A step's line logs the rate its scheduler step set,
+    the next iteration's (the last rate stays)."""
+    cycle = {"type": "OneCycleLR", "eta_max": 0.5, "by_epoch": False, "three_phase": True}
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    rates = scheduler_factory(cycle, None, None)(optimizer, 16).rates[0]
+
+    def logged(work_dir: Path, **changes) -> dict[int, float]:
+        runner = Runner(**arguments(work_dir, param_scheduler=cycle, **changes))
+        runner.train()
+        runner.close()
+        lines = (work_dir / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["lr"] for r in map(json.loads, lines) if "loss" in r}
+
+    straight = logged(tmp_path / "straight")
+    assert straight == {step: rates[min(step, 15)] for step in range(1, 17)}
+    resumed = logged(tmp_path / "resumed", resume=True,
+                     load_from=str(tmp_path / "straight" / "iter_8.pth"))
+    assert {step: lr for step, lr in resumed.items() if step > 8} == \
+        {step: lr for step, lr in straight.items() if step > 8}
+
+
 def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
     config = tmp_path / "config.py"
     config.write_text(
@@ -112,7 +136,12 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
      "optim_wrapper.clip_grad.type"),
     ({"optim_wrapper": {"type": "ApexOptimWrapper", "optimizer": {"type": "SGD", "lr": 0.1}}},
      "optim_wrapper.type"),
-    ({"param_scheduler": {"type": "OneCycleLR", "eta_max": 0.1}}, "param_scheduler[0].type"),
+    ({"param_scheduler": {"type": "CosineRestartLR", "periods": [4]}},
+     "param_scheduler[0].type"),
+    ({"param_scheduler": {"type": "OneCycleLR", "eta_max": 0.1, "cycle_momentum": True}},
+     "param_scheduler[0].cycle_momentum"),
+    ({"param_scheduler": {"type": "OneCycleLR", "eta_max": 0.1, "by_epoch": False,
+                          "total_steps": 2}}, "param_scheduler[0]: OneCycleLR total_steps (2)"),
     ({"param_scheduler": [{"type": "LinearLR", "by_epoch": False, "end": 4},
                           {"type": "MultiStepLR", "by_epoch": False, "milestonez": [8]}]},
      "param_scheduler[1]: MultiStepLR"),

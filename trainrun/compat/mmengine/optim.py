@@ -56,10 +56,14 @@ class PolyLR(SchedulerName):
     """The rate along a polynomial of ``power`` down to ``eta_min``."""
 
 
+class OneCycleLR(SchedulerName):
+    """The rate up to ``eta_max`` and down far below its start, over ``total_steps``."""
+
+
 OPTIM_WRAPPERS.register_module(module=OptimWrapper)
 OPTIM_WRAPPERS.register_module(module=AmpOptimWrapper)
 for _name in SchedulerName.__subclasses__():
     PARAM_SCHEDULERS.register_module(module=_name)
 
 __all__ = ["AmpOptimWrapper", "ConstantLR", "CosineAnnealingLR", "ExponentialLR", "LinearLR",
-           "MultiStepLR", "OptimWrapper", "PolyLR", "StepLR"]
+           "MultiStepLR", "OneCycleLR", "OptimWrapper", "PolyLR", "StepLR"]
