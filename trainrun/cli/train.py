@@ -54,6 +54,8 @@ class Job:
     nproc: int | None = None  # --nproc: start this many workers here, each with worker_args
     worker_args: list[str] = field(default_factory=list)
     run_dir: RunDir | None = None  # where the runner writes instead of work_dir (a test's own)
+    mmengine: Any = None  # an MMEngine config (CONFIG.py) to plan through trainrun.compat
+    source: str = ""  # the config's file
 
 
 # ---------------------------------------------------------------- parsers
@@ -86,7 +88,8 @@ def train_parser(command: str = "train") -> argparse.ArgumentParser:
         prog=prog(command, "train.py"), description=description,
         formatter_class=HelpFormatter,
         epilog=epilog(*(PLAN_EXAMPLES if plan else TRAIN_EXAMPLES), docs="cli"))
-    parser.add_argument("config", metavar="CONFIG", help="the YAML config")
+    parser.add_argument("config", metavar="CONFIG",
+                        help="the YAML config (with --dry-run, an MMEngine config *.py too)")
     _add_common(parser)
     parser.add_argument("--resume", nargs="?", const=True, metavar="CKPT",
                         help="from CKPT or a run dir, else work_dir's newest")
@@ -237,6 +240,8 @@ def prepare_train(argv: Sequence[str] | None = None, command: str = "train") -> 
     """
     args = train_parser(command).parse_args(argv)
     fill_local_rank(args.local_rank)
+    if Path(args.config).suffix == ".py":
+        return _mmengine_job(args)
     _check_nproc(args)
     values = _command_line_values(args)
     if args.nproc is not None:
@@ -264,6 +269,39 @@ def prepare_train(argv: Sequence[str] | None = None, command: str = "train") -> 
     return Job(cfg, warnings + _launcher_warnings(cfg), dry_run=args.dry_run,
                world_size=args.nproc or args.world_size,
                nproc=None if args.dry_run else args.nproc, worker_args=worker_args(args))
+
+
+def _mmengine_job(args: argparse.Namespace) -> Job:
+    """An MMEngine Python config (docs/mmengine.md): a dry run checks it and plans it through
+    ``trainrun.compat.mmengine``; --launcher, --work-dir and --cfg-options (MMEngine's
+    ``KEY=VALUE`` values) apply to it. Training it is the job of an MMEngine training script
+    (``Runner.from_cfg``) with its imports pointed at the compat layer."""
+    if not args.dry_run:
+        raise ConfigError(f"{args.config}: an MMEngine config; `trainrun plan {args.config}` "
+                          f"checks it, and MMEngine's training script (Runner.from_cfg) runs "
+                          f"it with its imports changed to trainrun.compat.mmengine")
+    for flag, value in (("--nproc", args.nproc), ("--resume", args.resume), ("--amp", args.amp),
+                        ("--world-size", args.world_size), ("--force", args.force)):
+        if value:
+            raise ConfigError(f"{flag}: takes a trainrun config, not an MMEngine one "
+                              f"({args.config})")
+    from trainrun.compat.mmengine.config import Config, DictAction
+
+    try:
+        cfg = Config.fromfile(args.config)
+    except (OSError, ValueError, SyntaxError, ImportError) as error:
+        raise ConfigError(f"{args.config}: {error}") from None
+    options: dict[str, Any] = {}
+    for item in args.cfg_options:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--cfg-options: {item!r} is not KEY=VALUE")
+        options[key] = DictAction._parse(value)
+    options.update({key: value for key, value in (("launcher", args.launcher),
+                                                  ("work_dir", args.work_dir)) if value})
+    cfg.merge_from_dict(options)
+    return Job(DictConfig({"launcher": "none"}), dry_run=True, mmengine=cfg,
+               source=args.config)
 
 
 def _check_nproc(args: argparse.Namespace) -> None:
@@ -455,7 +493,16 @@ def run(cfg: DictConfig, method: str, run_dir: RunDir | None = None) -> int:
 
 def dry_run(job: Job) -> int:
     """Print the plan (rank 0 only); nothing is initialised or written. A training set that
-    leaves no batch is refused (exit 2), as the run would refuse it."""
+    leaves no batch is refused (exit 2), as the run would refuse it. An MMEngine config is
+    planned by ``trainrun.compat.mmengine.plan``."""
+    if job.mmengine is not None:
+        from trainrun.compat.mmengine.plan import describe
+
+        try:
+            print(describe(job.mmengine, job.source))
+        except ConfigError as error:
+            return _usage_error(error)
+        return EXIT_OK
     if _rank(job.cfg) == 0:
         try:
             plan = make_plan(job.cfg, job.world_size)

@@ -400,6 +400,84 @@ def start_from(run_dir: MMEngineRunDir, resume: Any, load_from: str | None) -> b
     return bool(resume)
 
 
+def check_arguments(given: Mapping[str, Any]) -> None:
+    """Refuse, before anything starts, MMEngine Runner arguments trainrun cannot honour:
+    ``given``, MMEngine's Runner arguments by name.
+
+    Raises:
+        ConfigError: naming the argument.
+    """
+    for key, value, neutral in (("auto_scale_lr", given["auto_scale_lr"], (None,)),
+                                ("visualizer", given["visualizer"], (None,)),
+                                ("log_processor", given["log_processor"], (None,)),
+                                ("experiment_name", given["experiment_name"], (None,)),
+                                ("log_level", given["log_level"], ("INFO",)),
+                                ("default_scope", given["default_scope"], (None, "mmengine"))):
+        if value not in neutral:
+            raise refused(key, value)
+    for split, loader, loop, evaluator in (
+            ("val", given["val_dataloader"], given["val_cfg"], given["val_evaluator"]),
+            ("test", given["test_dataloader"], given["test_cfg"], given["test_evaluator"])):
+        present = [x is not None for x in (loader, loop, evaluator)]
+        if any(present) and not all(present):
+            raise ConfigError(f"{split}_dataloader, {split}_cfg and {split}_evaluator: give "
+                              f"all three or none (as MMEngine requires)")
+        if loop is not None:
+            checked_loop_cfg(f"{split}_cfg", loop)
+    only("randomness", dict(given["randomness"] or {}), {"seed", "deterministic", "diff_rank_seed"})
+
+
+def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
+                     given: Mapping[str, Any]) -> tuple[dict[str, Any], SyncedSeeds | None]:
+    """trainrun Runner's keyword arguments for MMEngine's Runner arguments ``given`` (checked by
+    `check_arguments`), with ``strategy`` (trainrun's section) and ``precision`` (None: the
+    optimiser wrapper's); and the sampler seeds to replay after the seeding (None without
+    ``diff_rank_seed``). The data sets and loaders are built; nothing is started or written.
+
+    Raises:
+        ConfigError: an option with no trainrun equivalent (named).
+    """
+    model, train_dataloader = given["model"], given["train_dataloader"]
+    randomness = dict(given["randomness"] or {})
+    strategy = with_wrapper_options(strategy, given["cfg"])
+    seed = randomness.get("seed")
+    randomness["seed"] = seed = sync_random_seed() if seed is None else seed
+    # diff_rank_seed: each rank seeds with seed + rank; samplers share MMEngine's draws
+    synced = SyncedSeeds(seed) if randomness.get("diff_rank_seed") else None
+    own = seed + get_dist_info()[0] if synced else seed
+    if isinstance(model, Mapping):
+        model = dict(model)
+        if given["data_preprocessor"] is not None:
+            model.setdefault("data_preprocessor", given["data_preprocessor"])
+    schedule = loop_section(given["train_cfg"]) if train_dataloader is not None else None
+    by_epoch = schedule is None or "max_epochs" in schedule
+    train_loader = build_loader("train_dataloader", train_dataloader, own,
+                                schedule.get("max_iters") if schedule else None,
+                                synced)
+    optim, wrapper_precision = optim_section(given["optim_wrapper"])
+    scheduler = None
+    if train_loader is not None and given["param_scheduler"] is not None:
+        scheduler = scheduler_factory(given["param_scheduler"],
+                                      len(train_loader) if by_epoch else None,
+                                      schedule.get("max_epochs"))
+    checkpoint, logging = hook_sections(given["default_hooks"], by_epoch)
+    run_dir = MMEngineRunDir(given["work_dir"])
+    val_loader = build_loader("val_dataloader", given["val_dataloader"], own, None, synced)
+    test_loader = build_loader("test_dataloader", given["test_dataloader"], own, None, synced)
+    val_metrics = evaluator_metrics("val_evaluator", given["val_evaluator"], val_loader)
+    test_metrics = evaluator_metrics("test_evaluator", given["test_evaluator"], test_loader)
+    return dict(
+        model=model, work_dir=run_dir, train_dataloader=train_loader,
+        val_dataloader=val_loader, test_dataloader=test_loader,
+        optim=optim, scheduler=scheduler, strategy=strategy_of(strategy),
+        precision=precision or wrapper_precision, schedule=schedule,
+        val_metrics=val_metrics, test_metrics=test_metrics,
+        hooks=[*build_custom_hooks(given["custom_hooks"]), LastCheckpointFile(run_dir)],
+        randomness=randomness, logging=logging or None, checkpoint=checkpoint,
+        resume=start_from(run_dir, given["resume"], given["load_from"]),
+        load_from=None if given["resume"] else given["load_from"], launcher="none"), synced
+
+
 class Runner(TrainrunRunner):
     """MMEngine's Runner: its constructor arguments, translated into trainrun's Runner.
 
@@ -431,78 +509,19 @@ class Runner(TrainrunRunner):
         del arguments["self"]
         self._start({"type": "ddp", "broadcast_buffers": False}, None, **arguments)
 
-    def _start(self, strategy: Mapping[str, Any], precision: str | None, *, model: Any,
-               work_dir: str, train_dataloader: Any, val_dataloader: Any,
-               test_dataloader: Any, train_cfg: Any, val_cfg: Any, test_cfg: Any,
-               auto_scale_lr: Any, optim_wrapper: Any, param_scheduler: Any,
-               val_evaluator: Any, test_evaluator: Any, default_hooks: Any, custom_hooks: Any,
-               data_preprocessor: Any, load_from: Any, resume: Any, launcher: str,
-               env_cfg: Any, log_processor: Any, log_level: Any, visualizer: Any,
-               default_scope: Any, randomness: Any, experiment_name: Any, cfg: Any) -> None:
-        """Translate MMEngine's arguments and build trainrun's Runner with ``strategy`` (its
-        section) and ``precision`` (None: the optimiser wrapper's). From here on, a refusal a
-        script (not an interactive prompt) does not catch exits 2 in one line
-        (``exit_2_on_refusal``)."""
+    def _start(self, strategy: Mapping[str, Any], precision: str | None,
+               **arguments: Any) -> None:
+        """Check and translate MMEngine's ``arguments`` (by name), join the process group
+        and build trainrun's Runner with ``strategy`` (its section) and ``precision`` (None:
+        the optimiser wrapper's). From here on, a refusal a script (not an interactive
+        prompt) does not catch exits 2 in one line (``exit_2_on_refusal``)."""
         if not (hasattr(sys, "ps1") or sys.flags.interactive):  # a script, not a prompt
             sys.excepthook = exit_2_on_refusal
-        for key, value, neutral in (("auto_scale_lr", auto_scale_lr, (None,)),
-                                    ("visualizer", visualizer, (None,)),
-                                    ("log_processor", log_processor, (None,)),
-                                    ("experiment_name", experiment_name, (None,)),
-                                    ("log_level", log_level, ("INFO",)),
-                                    ("default_scope", default_scope, (None, "mmengine"))):
-            if value not in neutral:
-                raise refused(key, value)
-        for split, loader, loop, evaluator in (
-                ("val", val_dataloader, val_cfg, val_evaluator),
-                ("test", test_dataloader, test_cfg, test_evaluator)):
-            given = [x is not None for x in (loader, loop, evaluator)]
-            if any(given) and not all(given):
-                raise ConfigError(f"{split}_dataloader, {split}_cfg and {split}_evaluator: give "
-                                  f"all three or none (as MMEngine requires)")
-            if loop is not None:
-                checked_loop_cfg(f"{split}_cfg", loop)
-        randomness = dict(randomness or {})
-        only("randomness", randomness, {"seed", "deterministic", "diff_rank_seed"})
-        strategy = with_wrapper_options(strategy, cfg)
-        joined = join(launcher, env_cfg)
+        check_arguments(arguments)
+        joined = join(arguments["launcher"], arguments["env_cfg"])
         try:
-            seed = randomness.get("seed")
-            randomness["seed"] = seed = sync_random_seed() if seed is None else seed
-            # diff_rank_seed: each rank seeds with seed + rank; samplers share MMEngine's draws
-            synced = SyncedSeeds(seed) if randomness.get("diff_rank_seed") else None
-            own = seed + get_dist_info()[0] if synced else seed
-            if isinstance(model, Mapping):
-                model = dict(model)
-                if data_preprocessor is not None:
-                    model.setdefault("data_preprocessor", data_preprocessor)
-            schedule = loop_section(train_cfg) if train_dataloader is not None else None
-            by_epoch = schedule is None or "max_epochs" in schedule
-            train_loader = build_loader("train_dataloader", train_dataloader, own,
-                                        schedule.get("max_iters") if schedule else None,
-                                        synced)
-            optim, wrapper_precision = optim_section(optim_wrapper)
-            scheduler = None
-            if train_loader is not None and param_scheduler is not None:
-                scheduler = scheduler_factory(param_scheduler,
-                                              len(train_loader) if by_epoch else None,
-                                              schedule.get("max_epochs"))
-            checkpoint, logging = hook_sections(default_hooks, by_epoch)
-            run_dir = MMEngineRunDir(work_dir)
-            val_loader = build_loader("val_dataloader", val_dataloader, own, None, synced)
-            test_loader = build_loader("test_dataloader", test_dataloader, own, None, synced)
-            val_metrics = evaluator_metrics("val_evaluator", val_evaluator, val_loader)
-            test_metrics = evaluator_metrics("test_evaluator", test_evaluator, test_loader)
-            super().__init__(
-                model=model, work_dir=run_dir, train_dataloader=train_loader,
-                val_dataloader=val_loader, test_dataloader=test_loader,
-                optim=optim, scheduler=scheduler, strategy=strategy_of(strategy),
-                precision=precision or wrapper_precision, schedule=schedule,
-                val_metrics=val_metrics, test_metrics=test_metrics,
-                hooks=[*build_custom_hooks(custom_hooks), LastCheckpointFile(run_dir)],
-                randomness=randomness, logging=logging or None, checkpoint=checkpoint,
-                resume=start_from(run_dir, resume, load_from),
-                load_from=None if resume else load_from, launcher="none")
+            runner_kwargs, synced = runner_arguments(strategy, precision, arguments)
+            super().__init__(**runner_kwargs)
             if synced:  # after the seeding, numpy's generator as MMEngine's loaders left it
                 synced.replay()
         except BaseException:
@@ -512,7 +531,7 @@ class Runner(TrainrunRunner):
                 leave_dist()
             raise
         self._owns_group = joined  # trainrun's close() leaves the group this runner joined
-        self.mmengine_cfg = cfg
+        self.mmengine_cfg = arguments["cfg"]
 
     def resume(self, path: str | os.PathLike) -> None:
         """trainrun's resume; from MMEngine's own file in an iteration-based run, the data
