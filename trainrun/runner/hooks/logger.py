@@ -284,8 +284,8 @@ class LoggerHook(Hook):
 def window_means(recent: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, Any]:
     """Each of ``keys`` (the logged step's values) with its mean over the steps of ``recent``
     that returned it, the logged step among them (the last). Tensors are averaged on the
-    newest one's device as torch does, a sum in their dtype and a true division (an integer
-    one gives a float); plain numbers in Python."""
+    newest one's device: their sum in their dtype (torch's promotion where steps' dtypes
+    differ) and a true division (an integer one gives a float); plain numbers in Python."""
     means = {}
     for key in keys:
         values = [step[key] for step in recent if key in step]
@@ -298,8 +298,10 @@ def _mean(values: list[Any]) -> Any:
     if not tensors:
         return sum(values) / len(values)
     device = tensors[-1].device
-    stacked = torch.stack([torch.as_tensor(value, device=device) for value in values])
-    return torch.true_divide(stacked.sum(0), len(values))
+    if len(tensors) < len(values) or any(tensor.device != device for tensor in tensors):
+        # plain numbers among them, or values a resumed run loaded onto the CPU
+        values = [torch.as_tensor(value, device=device) for value in values]
+    return torch.true_divide(torch.stack(values).sum(0), len(values))
 
 
 def rank_counts(window: Window, device: torch.device) -> list[float]:
