@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import trainrun.dist as dist
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
-from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb
+from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb, window_means
 from trainrun.runner.hooks.timer import batch_counts
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.run_dir import MetricsFile
@@ -492,6 +494,25 @@ def test_a_window_averages_each_value_over_the_steps_that_returned_it(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"], r["count"], r["aux"], r["lr"]) for r in lines] == [
         (2, 1.5, 15.0, 2.0, 0.125), (4, 3.0, 30.0, 3.0, 0.125), (6, 5.0, 50.0, 5.0, 0.125)]
+
+
+def test_a_windows_state_loads_as_a_checkpoint_is_read_and_gives_the_same_means(tmp_path):
+    """Tensors on the CPU and plain numbers (a NumPy scalar too), which a checkpoint read with
+    weights_only holds; the hook that loads them logs what the one that saved them would."""
+    runner = _logger_runner(tmp_path, 4)
+    hooks = [LoggerHook(interval=1, backends=["jsonl"], progress_bar=False, window=3)
+             for _ in range(2)]
+    for step in (1, 2):
+        runner.iter = step
+        hooks[0].after_train_iter(runner, step - 1, None, {"loss": torch.tensor(0.1 * step),
+                                                           "n": np.float64(step / 3)})
+    path = tmp_path / "state.pth"
+    torch.save(hooks[0].state_dict(), path)
+    hooks[1].load_state_dict(torch.load(path, weights_only=True))
+    outputs = {"loss": torch.tensor(0.3), "n": np.float64(1.0)}
+    means = [window_means(hook._recent + deque([outputs]), outputs) for hook in hooks]
+    assert means[0]["loss"].item() == means[1]["loss"].item() and \
+        means[0]["n"] == means[1]["n"]
 
 
 def test_a_window_saved_by_another_number_of_ranks_starts_empty(tmp_path, caplog):

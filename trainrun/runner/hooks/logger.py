@@ -156,7 +156,9 @@ class LoggerHook(Hook):
         before its checkpoint too; nothing with a window of 1."""
         if self.window == 1:
             return {}
-        mine = [{key: value.cpu() if isinstance(value, torch.Tensor) else value
+        # tensors on the CPU, other numbers (a NumPy scalar too) as Python's: a checkpoint is
+        # read with weights_only
+        mine = [{key: value.cpu() if isinstance(value, torch.Tensor) else _number(value)
                  for key, value in step.items()} for step in self._recent]
         return {"recent": gather_object(mine)}
 
