@@ -19,6 +19,7 @@ from trainrun.compat.mmengine.config import Config
 from trainrun.compat.mmengine.model import BaseModel
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
 from trainrun.compat.mmengine.runner import Runner
+from trainrun.runner.hooks import LoggerHook
 from trainrun.runner.schema import ConfigError
 
 
@@ -154,6 +155,17 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
     ({"env_cfg": {"dist_cfg": {"backend": "gloo"}, "cudnn_determinstic": True}},
      "env_cfg.cudnn_determinstic"),
     ({"visualizer": {"type": "Visualizer"}}, "visualizer"),
+    ({"log_processor": {"window_size": 10, "custom_cfg": [{"data_src": "loss",
+                                                           "window_size": "global"}]}},
+     "log_processor.custom_cfg"),
+    ({"log_processor": {"num_digits": 6}}, "log_processor.num_digits"),
+    ({"log_processor": {"log_with_hierarchy": True}}, "log_processor.log_with_hierarchy"),
+    ({"log_processor": {"mean_pattern": r".*loss.*"}}, "log_processor.mean_pattern"),
+    ({"log_processor": {"type": "MyLogProcessor"}}, "log_processor.type"),
+    ({"log_processor": {"window_size": 0}}, "log_processor.window_size: got 0"),
+    ({"log_processor": {"window_size": "global"}}, "log_processor.window_size: got 'global'"),
+    ({"log_processor": {"by_epoch": "yes"}}, "log_processor.by_epoch: got 'yes'"),
+    ({"log_processor": "LogProcessor"}, "log_processor"),
     ({"val_cfg": {}}, "val_dataloader, val_cfg and val_evaluator"),
 ])
 def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: dict,
@@ -163,6 +175,26 @@ def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: 
     assert str(refusal.value).startswith(named), str(refusal.value)
     assert "\n" not in str(refusal.value)
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def logged_window(**kwargs) -> int:
+    """The ``logging.window`` the compat Runner built from MMEngine's arguments."""
+    runner = Runner(**kwargs)
+    try:
+        (logger,) = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
+        return logger.window
+    finally:
+        runner.close()
+
+
+def test_log_processor_window_size_is_the_logging_window_mmengines_10_by_default(
+        tmp_path: Path):
+    assert logged_window(**arguments(tmp_path / "default")) == 10
+    assert logged_window(**arguments(tmp_path / "none", log_processor=None)) == 10
+    given = {"type": "LogProcessor", "window_size": 3, "by_epoch": False}
+    assert logged_window(**arguments(tmp_path / "given", log_processor=given)) == 3
+    assert logged_window(**arguments(tmp_path / "bare", log_processor={"by_epoch": True})) == 10
+    assert logged_window(**arguments(tmp_path / "one", log_processor={"window_size": 1})) == 1
 
 
 def test_a_sampler_other_than_mmengines_two_is_refused(tmp_path: Path):

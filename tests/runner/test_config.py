@@ -68,7 +68,7 @@ def test_minimal_config_gets_every_default(tmp_path):
     assert plain["schedule"] == {"max_epochs": 10, "max_iters": None, "val_interval": 1}
     assert plain["randomness"] == {"seed": 42, "deterministic": False, "diff_rank_seed": False}
     assert plain["logging"] == {"interval": 10, "backends": ["console", "jsonl"],
-                                "step_metrics": True}
+                                "step_metrics": True, "window": 1}
     assert plain["checkpoint"] == {"interval": 1, "max_keep": 3, "save_last": True,
                                    "save_best": None, "best_rule": None, "async": False}
     assert plain["resume"] is False
@@ -350,6 +350,8 @@ BAD_OVERRIDES = [
     (["logging.backend=[console]"], "unknown key 'logging.backend'; "
                                     "did you mean 'logging.backends'?"),
     (["logging.step_metrics=some"], "logging.step_metrics: got 'some', expected true or false"),
+    (["logging.window=0"], "logging.window: got 0, expected an int >= 1"),
+    (["logging.window=x"], "logging.window: got 'x', expected an int >= 1"),
     (["checkpoint.interval=-1"], "checkpoint.interval: got -1, expected an int >= 0"),
     (["checkpoint.max_keep=0"], "checkpoint.max_keep: got 0, expected an int >= 1, or -1"),
     (["checkpoint.save_last=1"], "checkpoint.save_last: got 1, expected true or false"),

@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import trainrun.dist as dist
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
-from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb
+from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb, window_means
 from trainrun.runner.hooks.timer import batch_counts
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.run_dir import MetricsFile
@@ -386,14 +388,15 @@ class LateLossSpy(LossSpy):
     priority = 30  # after the logger
 
 
-def _run_logging_body(work_dir, step_metrics=True, clip_grad=None):
+def _run_logging_body(work_dir, step_metrics=True, clip_grad=None, window=1, max_iters=3):
     spy, late = LossSpy(), LateLossSpy()
     runner = Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
         train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32, "batch_size": 4},
         optim={"type": "SGD", "lr": 0.01, "clip_grad": clip_grad}, strategy="ddp",
-        schedule={"max_iters": 3}, randomness={"seed": 1, "diff_rank_seed": True},
-        logging={"interval": 1, "backends": ["jsonl"], "step_metrics": step_metrics},
+        schedule={"max_iters": max_iters}, randomness={"seed": 1, "diff_rank_seed": True},
+        logging={"interval": 1, "backends": ["jsonl"], "step_metrics": step_metrics,
+                 "window": window},
         checkpoint={"interval": 0},
         hooks=[spy, late],
     )
@@ -434,6 +437,101 @@ def test_a_run_without_step_metrics_logs_the_same_losses_without_them(run_on, tm
             assert a["peak_memory_mb"] > 0
             assert set(b) == {"step", "epoch", "loss", "lr", "time", "data_time"}
             assert (a["loss"], a["lr"]) == (b["loss"], b["lr"])
+
+
+def _window_mean(losses, step, window):
+    """The mean of the losses of steps ``step - window + 1`` to ``step`` (from 1), as float32."""
+    last = torch.tensor(losses[max(0, step - window):step])
+    return torch.true_divide(last.sum(0), len(last))
+
+
+def test_a_window_logs_each_ranks_mean_of_its_last_steps_averaged_over_the_ranks(run_on,
+                                                                                  tmp_path):
+    """logging.window 3: each line holds each rank's mean of its last three losses (of the
+    steps there were, at steps 1 and 2), then their mean over the ranks, to the last bit; the
+    step metrics are the step's own as ever."""
+    own0, own1 = run_on(2)(_run_logging_body, str(tmp_path), True, None, 3, 6)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [line["loss"] for line in lines if "mode" not in line]
+    expected = [((_window_mean(own0, step, 3) + _window_mean(own1, step, 3)) / 2).item()
+                for step in range(1, 7)]
+    assert logged == expected
+    per_step = [((torch.tensor(a) + torch.tensor(b)) / 2).item()
+                for a, b in zip(own0, own1, strict=True)]
+    assert logged[0] == per_step[0]
+    assert all(a != b for a, b in zip(logged[1:], per_step[1:], strict=True))
+    assert all(line["samples_per_s"] * line["time"] == pytest.approx(8.0) for line in lines)
+
+
+def test_a_window_of_one_logs_each_steps_own_values_and_keeps_nothing(tmp_path):
+    """The default: the step's own numbers (today's path, no mean of one value), no values
+    kept, nothing in the checkpoint."""
+    runner = _logger_runner(tmp_path, 4)
+    hook = LoggerHook(interval=1, backends=["jsonl"], progress_bar=False)
+    assert hook.window == 1
+    for step in range(1, 5):
+        runner.iter = step
+        hook.after_train_iter(runner, step - 1, None, {"loss": torch.tensor(0.1 * step)})
+    hook.after_train(runner)
+    logged = [json.loads(line)["loss"] for line in
+              (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [torch.tensor(0.1 * step).item() for step in range(1, 5)]
+    assert not hook._recent and hook.state_dict() == {}
+
+
+def test_a_window_averages_each_value_over_the_steps_that_returned_it(tmp_path):
+    """Tensors and plain numbers alike; a value some steps leave out is the mean of the steps
+    in the window that returned it; lr and the times are not averaged."""
+    runner = _logger_runner(tmp_path, 6)
+    hook = LoggerHook(interval=2, backends=["jsonl"], progress_bar=False, window=3)
+    for step in range(1, 7):
+        runner.iter = step
+        outputs = {"loss": torch.tensor(float(step)), "count": 10.0 * step}
+        if step % 2 == 0:
+            outputs["aux"] = torch.tensor(float(step))
+        hook.after_train_iter(runner, step - 1, None, outputs)
+    hook.after_train(runner)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["count"], r["aux"], r["lr"]) for r in lines] == [
+        (2, 1.5, 15.0, 2.0, 0.125), (4, 3.0, 30.0, 3.0, 0.125), (6, 5.0, 50.0, 5.0, 0.125)]
+
+
+def test_a_windows_state_loads_as_a_checkpoint_is_read_and_gives_the_same_means(tmp_path):
+    """Tensors on the CPU and plain numbers (a NumPy scalar too), which a checkpoint read with
+    weights_only holds; the hook that loads them logs what the one that saved them would."""
+    runner = _logger_runner(tmp_path, 4)
+    hooks = [LoggerHook(interval=1, backends=["jsonl"], progress_bar=False, window=3)
+             for _ in range(2)]
+    for step in (1, 2):
+        runner.iter = step
+        hooks[0].after_train_iter(runner, step - 1, None, {"loss": torch.tensor(0.1 * step),
+                                                           "n": np.float64(step / 3)})
+    path = tmp_path / "state.pth"
+    torch.save(hooks[0].state_dict(), path)
+    hooks[1].load_state_dict(torch.load(path, weights_only=True))
+    outputs = {"loss": torch.tensor(0.3), "n": np.float64(1.0)}
+    means = [window_means(hook._recent + deque([outputs]), outputs) for hook in hooks]
+    assert means[0]["loss"].item() == means[1]["loss"].item() and \
+        means[0]["n"] == means[1]["n"]
+
+
+def test_a_window_saved_by_another_number_of_ranks_starts_empty(tmp_path, caplog):
+    hook = LoggerHook(interval=1, backends=["jsonl"], progress_bar=False, window=3)
+    saved = [[{"loss": torch.tensor(1.0)}], [{"loss": torch.tensor(3.0)}]]  # two ranks'
+    logger = logging.getLogger("trainrun")
+    logger.addHandler(caplog.handler)
+    try:
+        hook.load_state_dict({"recent": saved})
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert not hook._recent
+    assert "the checkpoint holds the last steps' values of 2 ranks, this job has 1" \
+        in caplog.text
+    hook.load_state_dict({"recent": saved[:1]})
+    assert list(hook._recent) == saved[0]
+    assert hook.state_dict() == {"recent": saved[:1]}
+    LoggerHook(window=1, backends=["jsonl"], progress_bar=False).load_state_dict(
+        {"recent": saved[:1]})  # a window of 1 has nothing to take
 
 
 # ---------------------------------------------------------------- validation and timing

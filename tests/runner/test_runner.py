@@ -20,7 +20,7 @@ MODEL = {"type": "tests.runner.toy.ToyModel"}
 
 def _runner(work_dir, *, max_epochs=None, max_iters=None, checkpoint=None, resume=False,
             seed=7, diff_rank_seed=False, batch_size=4, size=64, strategy="ddp", hooks=(),
-            val=True, log_interval=1):
+            val=True, log_interval=1, log_window=1):
     schedule = {"max_iters": max_iters} if max_iters else {"max_epochs": max_epochs or 2}
     return Runner(
         model=MODEL, work_dir=work_dir,
@@ -30,7 +30,7 @@ def _runner(work_dir, *, max_epochs=None, max_iters=None, checkpoint=None, resum
         scheduler={"type": "cosine", "warmup_iters": 3},
         strategy=strategy, schedule=schedule,
         randomness={"seed": seed, "diff_rank_seed": diff_rank_seed},
-        logging={"interval": log_interval, "backends": ["jsonl"]},
+        logging={"interval": log_interval, "backends": ["jsonl"], "window": log_window},
         checkpoint=checkpoint or {"interval": 0}, resume=resume, hooks=hooks,
     )
 
@@ -94,6 +94,49 @@ def test_resume_mid_epoch_gives_bit_identical_losses(run_on, tmp_path, world_siz
     val_straight = [r for r in records(straight) if r.get("mode") == "val"]
     val_resumed = [r for r in records(resumed) if r.get("mode") == "val"]
     assert val_resumed[-1] == val_straight[-1]
+
+
+class OwnLosses(Hook):
+    """Each step's own loss on this rank."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        self.losses.append(outputs["loss"].item())
+
+
+# each rank its own losses, so that each rank's window differs; checkpoints at steps 5 and 10
+WINDOWED = {"max_iters": 12, "checkpoint": {"interval": 5}, "diff_rank_seed": True, "val": False,
+            "log_window": 4}
+
+
+def _windowed_body(work_dir, crash_step=None):
+    if crash_step is not None:
+        try:
+            _runner(work_dir, hooks=[CrashAfter(crash_step)], **WINDOWED).train()
+        except Killed:
+            pass
+    own = OwnLosses()
+    with _runner(work_dir, resume=crash_step is not None, hooks=[own], **WINDOWED) as runner:
+        runner.train()
+    return own.losses
+
+
+def test_a_logging_window_resumes_exactly_on_every_rank(run_on, tmp_path):
+    """logging.window 4, crashed after step 7 and resumed from step 5's checkpoint: steps 6 to
+    8 average each rank's steps before the checkpoint too, which the checkpoint carries, so
+    every line is the unbroken run's, to the last bit."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    own0, own1 = run_on(2)(_windowed_body, str(straight))
+    run_on(2)(_windowed_body, str(resumed), 7)
+    expected = loss_list(straight)
+    means = [torch.true_divide(torch.tensor(own[max(0, step - 4):step]).sum(),
+                               min(step, 4)) for own in (own0, own1) for step in range(1, 13)]
+    assert [loss for _, loss in expected] == [((a + b) / 2).item() for a, b in
+                                              zip(means[:12], means[12:], strict=True)]
+    assert loss_list(resumed) == expected
+    assert [r["step"] for r in records(resumed) if r.get("mode") == "resume"] == [5]
 
 
 def _seed_body(work_dir, diff_rank_seed):

@@ -370,20 +370,22 @@ def test_resume_may_change_the_length_and_with_force_anything(tmp_path, capfd, c
 
 
 def test_resume_of_a_run_from_before_a_key_was_added(tmp_path, capfd, clean_env):
-    """A run directory written before trainrun knew ``hooks``, ``compile`` and
-    ``logging.step_metrics`` resumes without --force while the first two stay at their empty
-    defaults (step_metrics may change: it changes what is logged only); setting one of the
-    first two is a change, as ever."""
+    """A run directory written before trainrun knew ``hooks``, ``compile``,
+    ``logging.step_metrics`` and ``logging.window`` resumes without --force while the first two
+    stay at their empty defaults (the logging keys may change: they change what is logged
+    only); setting one of the first two is a change, as ever."""
     work_dir = tmp_path / "run"
     assert train_main([str(SINGLE), "--work-dir", str(work_dir), "--cfg-options", *SHORT]) == 0
     saved = yaml.safe_load((work_dir / "config.yaml").read_text())
     assert saved["hooks"] == [] and saved["compile"] is False
-    assert saved["logging"]["step_metrics"] is True
+    assert saved["logging"]["step_metrics"] is True and saved["logging"]["window"] == 1
     del saved["hooks"], saved["compile"], saved["logging"]["step_metrics"]  # an older trainrun's
+    del saved["logging"]["window"]
     (work_dir / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     longer = [*SHORT, "schedule.max_iters=6"]
     assert train_main([str(SINGLE), "--work-dir", str(work_dir), "--resume",
-                       "--cfg-options", *longer, "logging.step_metrics=false"]) == 0
+                       "--cfg-options", *longer, "logging.step_metrics=false",
+                       "logging.window=3"]) == 0
     assert "resumed from" in capfd.readouterr().err
     assert train_main([str(SINGLE), "--work-dir", str(work_dir), "--resume", "--cfg-options",
                        *longer, "schedule.max_iters=8", "compile=true"]) == 2

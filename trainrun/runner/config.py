@@ -353,10 +353,10 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = (), *,
 LAUNCH_KEYS = ("launcher", "backend", "dist_timeout", "resume", "load_from", "work_dir")
 # What a resumed run may change without --force: those, how long it trains and which signals
 # stop it.
-# (logging.step_metrics changes what is logged, not what is trained; a run from before the
-# key existed logged them)
+# (logging.step_metrics and logging.window change what is logged, not what is trained; a run
+# from before a key existed logged as its default does)
 RESUME_MAY_CHANGE = ("schedule.max_epochs", "schedule.max_iters", "preemption.signals",
-                     "logging.step_metrics", *LAUNCH_KEYS)
+                     "logging.step_metrics", "logging.window", *LAUNCH_KEYS)
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:

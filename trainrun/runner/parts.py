@@ -276,7 +276,8 @@ class PartBuilder:
         (the runner's timer, logging, validation, checkpoints, preemption) and ``extra``."""
         runner = self.runner
         hooks: list[Hook] = [runner.timer, LoggerHook(logging["interval"], logging["backends"],
-                                                      step_metrics=logging["step_metrics"])]
+                                                      step_metrics=logging["step_metrics"],
+                                                      window=logging["window"])]
         if runner.val_dataloader is not None:
             hooks.append(ValidationHook(val_interval))
         if runner.train_dataloader is not None:

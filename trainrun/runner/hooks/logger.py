@@ -11,6 +11,9 @@ On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; he
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
 or one of yours by import path), which only rank 0 makes.
+With ``logging.window`` N above 1 each rank logs, for each value, its mean over its last N
+training steps (the ranks' means are then averaged as ever); the window's content goes into
+every checkpoint, so that a resumed run logs what an unbroken one does.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import importlib.util
 import resource
 import sys
 import time
+from collections import deque
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
-from trainrun.dist import Handle, gather_rows, is_main_process
+from trainrun.dist import Handle, gather_object, gather_rows, get_dist_info, is_main_process
 from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.hooks.timer import Window
@@ -36,6 +41,7 @@ from trainrun.runner.schema import check_bool, expects, fields, integer, names
 from trainrun.runner.trackers import check_backend, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
+WINDOW = 1  # steps each logged training value is the mean of (1: the logged step's own)
 BACKENDS = ("console", "jsonl")  # where they go by default; the logger's own outputs
 # What every logged training line adds to the model's values and lr (docs/hooks-and-trackers.md,
 # "Step metrics"): grad_norm (grad_norm/<name> per optimiser of a dict), and:
@@ -59,12 +65,29 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class LoggerHook(Hook):
+    """The run's logged lines (see the module's docstring).
+
+    Args:
+        interval: log a training line every this many iterations, and at the last.
+        backends: where lines go (``logging.backends``); None: the console and metrics.jsonl.
+        progress_bar: draw a progress bar on rank 0's console; None: where stderr is a
+            terminal.
+        step_metrics: add the step metrics (`STEP_METRICS`, the gradient norm) to every
+            training line.
+        window: each logged training value is the mean of this rank's values over the last
+            this many training steps (then the mean over the ranks); 1: the step's own.
+    """
+
     priority = LOGGER  # see hooks/base.py for the order
 
     def __init__(self, interval: int = INTERVAL, backends: list[str] | None = None,
-                 progress_bar: bool | None = None, step_metrics: bool = True):
+                 progress_bar: bool | None = None, step_metrics: bool = True,
+                 window: int = WINDOW):
         self.interval = interval
         self.step_metrics = step_metrics
+        self.window = window
+        # this rank's values of the last `window` steps (window > 1 only): detached, unsynced
+        self._recent: deque[dict[str, Any]] = deque(maxlen=window)
         self._measuring: bool | None = None  # what the optimiser wrapper was last asked
         self.backends = list(backends or BACKENDS)
         show_bar = sys.stderr.isatty() if progress_bar is None else progress_bar
@@ -115,13 +138,51 @@ class LoggerHook(Hook):
         if self._bar is not None:
             self._bar.update(1)
         self._write_pending(runner)
+        if self.window > 1:  # a dict of references a step: no copy, no wait for the device
+            self._recent.append({key: value.detach() if isinstance(value, torch.Tensor)
+                                 else value for key, value in outputs.items()})
         if not self.logs(runner.iter, runner.max_iters):
             return
         # every rank takes part; outputs are left as they are, for the hooks after this one
         # the timer's window, read once: this rank's counts and rank 0's own metrics share it
         window = runner.timer.window_counts() if self.step_metrics else None
         counts = rank_counts(window, runner.device) if window is not None else None
-        self._pending = LoggedStep(runner, start_gather(outputs, counts), window)
+        values = outputs if self.window == 1 else window_means(self._recent, outputs)
+        self._pending = LoggedStep(runner, start_gather(values, counts), window)
+
+    def state_dict(self) -> dict[str, Any]:
+        """With a window above 1, every rank's values of its last steps (gathered on rank 0:
+        every rank calls this), so that the first lines of a resumed run hold the steps
+        before its checkpoint too; nothing with a window of 1."""
+        if self.window == 1:
+            return {}
+        # tensors on the CPU, other numbers (a NumPy scalar too) as Python's: a checkpoint is
+        # read with weights_only
+        mine = [{key: value.cpu() if isinstance(value, torch.Tensor) else _number(value)
+                 for key, value in step.items()} for step in self._recent]
+        return {"recent": gather_object(mine)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's values of the last steps before the checkpoint (the last ``window`` of
+        them). Saved by another number of ranks, or with a window of 1, the window starts
+        empty (said in a warning where the ranks differ).
+
+        Args:
+            state: what ``state_dict`` returned on rank 0.
+        """
+        saved = state.get("recent") if self.window > 1 else None
+        if not saved:
+            return
+        rank, world_size = get_dist_info()
+        if len(saved) != world_size:
+            if is_main_process():
+                get_logger().warning(
+                    "logging.window: the checkpoint holds the last steps' values of %d ranks, "
+                    "this job has %d: the logged means start from the resumed step",
+                    len(saved), world_size)
+            return
+        self._recent.clear()
+        self._recent.extend(saved[rank])  # the deque keeps the last `window`
 
     def _write_pending(self, runner: Any, wait: bool = True) -> None:
         """Finish the logged step whose numbers were sent, if any: rank 0 writes its line;
@@ -220,6 +281,29 @@ class LoggerHook(Hook):
             except Exception:  # one tracker's failure must not hide the run's own error
                 get_logger().exception("%s could not close its run", type(tracker).__name__)
         self._tracking = False
+
+
+def window_means(recent: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, Any]:
+    """Each of ``keys`` (the logged step's values) with its mean over the steps of ``recent``
+    that returned it, the logged step among them (the last). Tensors are averaged on the
+    newest one's device: their sum in their dtype (torch's promotion where steps' dtypes
+    differ) and a true division (an integer one gives a float); plain numbers in Python."""
+    means = {}
+    for key in keys:
+        values = [step[key] for step in recent if key in step]
+        means[key] = values[0] if len(values) == 1 else _mean(values)
+    return means
+
+
+def _mean(values: list[Any]) -> Any:
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    if not tensors:
+        return sum(values) / len(values)
+    device = tensors[-1].device
+    if len(tensors) < len(values) or any(tensor.device != device for tensor in tensors):
+        # plain numbers among them, or values a resumed run loaded onto the CPU
+        values = [torch.as_tensor(value, device=device) for value in values]
+    return torch.true_divide(torch.stack(values).sum(0), len(values))
 
 
 def rank_counts(window: Window, device: torch.device) -> list[float]:
@@ -388,6 +472,10 @@ LOGGING = {
     "step_metrics": (True, check_bool,
                      "log grad_norm, compute_time, samples_per_s, tokens_per_s and "
                      "peak_memory_mb on every training line"),
+    "window": (WINDOW, integer(1),
+               "each logged training value is the mean of each rank's values over the last "
+               "this many iterations (then over the ranks); 1: the logged iteration's own. "
+               "Not the step metrics, nor validation"),
 }
 
 

@@ -41,10 +41,10 @@ from trainrun.dist import (
     sync_random_seed,
 )
 from trainrun.exits import EXIT_USAGE
-from trainrun.messages import error_line
+from trainrun.messages import error_line, is_int
 from trainrun.runner.hooks.base import Hook as TrainrunHook
 from trainrun.runner.runner import Runner as TrainrunRunner
-from trainrun.runner.schema import ConfigError
+from trainrun.runner.schema import ConfigError, bad_value
 
 # MMEngine's loop types and what trainrun's schedule calls them
 LOOPS = {"EpochBasedTrainLoop": True, "IterBasedTrainLoop": False}
@@ -54,6 +54,7 @@ LOADER_KEYS = {"dataset", "sampler", "batch_size", "num_workers", "persistent_wo
 DEFAULT_HOOK_TYPES = {"runtime_info": "RuntimeInfoHook", "timer": "IterTimerHook",
                       "sampler_seed": "DistSamplerSeedHook", "logger": "LoggerHook",
                       "param_scheduler": "ParamSchedulerHook", "checkpoint": "CheckpointHook"}
+LOG_WINDOW = 10  # MMEngine's LogProcessor's window_size by default: its lines' values smoothed
 
 
 def exit_2_on_refusal(kind: type[BaseException], error: BaseException, trace: Any) -> None:
@@ -265,6 +266,28 @@ def hook_sections(default_hooks: Mapping[str, Any] | None, by_epoch: bool
     return checkpoint, logging
 
 
+def log_window(log_processor: Any) -> int:
+    """trainrun's ``logging.window`` from MMEngine's ``log_processor``: its ``window_size``,
+    MMEngine's default 10 where it gives none or there is no ``log_processor``. ``by_epoch``
+    (how MMEngine words a line) is taken and left: a line is trainrun's own; the other options
+    are refused."""
+    if log_processor is None:
+        return LOG_WINDOW
+    if not isinstance(log_processor, Mapping):
+        raise refused("log_processor", log_processor, "give a dict")
+    cfg = dict(log_processor)
+    kind = type_name(cfg.pop("type", "LogProcessor"))
+    if kind != "LogProcessor":
+        raise refused("log_processor.type", kind, "use LogProcessor")
+    only("log_processor", cfg, {"window_size", "by_epoch"})
+    if not isinstance(cfg.get("by_epoch", True), bool):
+        raise bad_value("log_processor.by_epoch", cfg["by_epoch"], "True or False")
+    window = cfg.get("window_size", LOG_WINDOW)
+    if not (is_int(window) and window >= 1):
+        raise bad_value("log_processor.window_size", window, "an int >= 1")
+    return window
+
+
 def build_custom_hooks(cfgs: Sequence[Any] | None) -> list[TrainrunHook]:
     """MMEngine's ``custom_hooks``: hook objects or config dicts for ``HOOKS``, each given to
     trainrun's Runner inside ``HookAdapter`` (a trainrun hook as it is)."""
@@ -409,7 +432,6 @@ def check_arguments(given: Mapping[str, Any]) -> None:
     """
     for key, value, neutral in (("auto_scale_lr", given["auto_scale_lr"], (None,)),
                                 ("visualizer", given["visualizer"], (None,)),
-                                ("log_processor", given["log_processor"], (None,)),
                                 ("experiment_name", given["experiment_name"], (None,)),
                                 ("log_level", given["log_level"], ("INFO",)),
                                 ("default_scope", given["default_scope"], (None, "mmengine"))):
@@ -424,6 +446,7 @@ def check_arguments(given: Mapping[str, Any]) -> None:
                               f"all three or none (as MMEngine requires)")
         if loop is not None:
             checked_loop_cfg(f"{split}_cfg", loop)
+    log_window(given["log_processor"])
     only("randomness", dict(given["randomness"] or {}), {"seed", "deterministic", "diff_rank_seed"})
 
 
@@ -461,6 +484,7 @@ def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
                                       len(train_loader) if by_epoch else None,
                                       schedule.get("max_epochs"))
     checkpoint, logging = hook_sections(given["default_hooks"], by_epoch)
+    logging["window"] = log_window(given["log_processor"])
     run_dir = MMEngineRunDir(given["work_dir"])
     val_loader = build_loader("val_dataloader", given["val_dataloader"], own, None, synced)
     test_loader = build_loader("test_dataloader", given["test_dataloader"], own, None, synced)
@@ -473,7 +497,7 @@ def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
         precision=precision or wrapper_precision, schedule=schedule,
         val_metrics=val_metrics, test_metrics=test_metrics,
         hooks=[*build_custom_hooks(given["custom_hooks"]), LastCheckpointFile(run_dir)],
-        randomness=randomness, logging=logging or None, checkpoint=checkpoint,
+        randomness=randomness, logging=logging, checkpoint=checkpoint,
         resume=start_from(run_dir, given["resume"], given["load_from"]),
         load_from=None if given["resume"] else given["load_from"], launcher="none"), synced
 
