@@ -101,7 +101,7 @@ def test_the_plan_says_what_the_compat_runner_would_run_and_writes_nothing(confi
     out = "\n".join(" ".join(line.split()) for line in out.splitlines())  # columns aside
     for line in ("model PlanTiny",
                  "optimiser type='SGD', lr=0.1, momentum=0.9",
-                 "schedule max_epochs=3, val_interval=1 (8 iterations an epoch",
+                 "schedule max_epochs=3, val_interval=1, val_begin=1 (8 iterations an epoch",
                  "lr schedule MultiStepLR(by_epoch=True, milestones=[2], gamma=0.1)",
                  "train data PlanBlobs, 64 samples, batch 8 per process, DefaultSampler "
                  "shuffled",

@@ -18,7 +18,7 @@ from tests.cli import run
 from trainrun.compat.mmengine.config import Config
 from trainrun.compat.mmengine.model import BaseModel
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
-from trainrun.compat.mmengine.runner import Runner
+from trainrun.compat.mmengine.runner import Runner, loop_section
 from trainrun.runner.hooks import LoggerHook
 from trainrun.runner.schema import ConfigError
 
@@ -150,8 +150,6 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
      "default_hooks.visualization"),
     ({"default_hooks": {"checkpoint": {"type": "CheckpointHook", "out_dir": "/x"}}},
      "default_hooks.checkpoint.out_dir"),
-    ({"train_cfg": {"type": "IterBasedTrainLoop", "max_iters": 16, "val_begin": 2}},
-     "train_cfg.val_begin"),
     ({"env_cfg": {"dist_cfg": {"backend": "gloo"}, "cudnn_determinstic": True}},
      "env_cfg.cudnn_determinstic"),
     ({"visualizer": {"type": "Visualizer"}}, "visualizer"),
@@ -195,6 +193,13 @@ def test_log_processor_window_size_is_the_logging_window_mmengines_10_by_default
     assert logged_window(**arguments(tmp_path / "given", log_processor=given)) == 3
     assert logged_window(**arguments(tmp_path / "bare", log_processor={"by_epoch": True})) == 10
     assert logged_window(**arguments(tmp_path / "one", log_processor={"window_size": 1})) == 1
+
+
+def test_train_cfg_maps_onto_the_schedule_with_mmengines_defaults():
+    assert loop_section({"by_epoch": True, "max_epochs": 4, "val_begin": 2}) == \
+        {"max_epochs": 4, "val_interval": 1, "val_begin": 2}
+    assert loop_section({"type": "IterBasedTrainLoop", "max_iters": 3000}) == \
+        {"max_iters": 3000, "val_interval": 1000, "val_begin": 1}
 
 
 def test_a_sampler_other_than_mmengines_two_is_refused(tmp_path: Path):

@@ -65,7 +65,8 @@ def test_minimal_config_gets_every_default(tmp_path):
                               "clip_grad": None, "accumulate": 1, "per_module": None}
     assert plain["scheduler"] is None
     assert plain["precision"] == "fp32"
-    assert plain["schedule"] == {"max_epochs": 10, "max_iters": None, "val_interval": 1}
+    assert plain["schedule"] == {"max_epochs": 10, "max_iters": None, "val_interval": 1,
+                                 "val_begin": 1}
     assert plain["randomness"] == {"seed": 42, "deterministic": False, "diff_rank_seed": False}
     assert plain["logging"] == {"interval": 10, "backends": ["console", "jsonl"],
                                 "step_metrics": True, "window": 1}

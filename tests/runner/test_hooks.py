@@ -547,6 +547,16 @@ def test_validation_runs_on_the_interval_and_at_the_end():
     assert runner.validated == [3, 6, 7]
 
 
+def test_validation_begins_at_val_begin():
+    runner = FakeRunner(by_epoch=True, max_epochs=6)
+    run_schedule(runner, ValidationHook(2, begin=3))
+    assert runner.validated == [4, 6]
+    runner = FakeRunner(by_epoch=False, max_epochs=2)
+    runner.max_iters = 7
+    run_schedule(runner, ValidationHook(1, begin=6))
+    assert runner.validated == [6, 7]
+
+
 def test_iter_timer_averages_over_its_window(monkeypatch):
     clock = iter([0.0, 0.5, 1.0, 1.25, 3.0])
     monkeypatch.setattr("trainrun.runner.hooks.timer.time.perf_counter", lambda: next(clock))

@@ -355,7 +355,8 @@ LAUNCH_KEYS = ("launcher", "backend", "dist_timeout", "resume", "load_from", "wo
 # stop it.
 # (logging.step_metrics and logging.window change what is logged, not what is trained; a run
 # from before a key existed logged as its default does)
-RESUME_MAY_CHANGE = ("schedule.max_epochs", "schedule.max_iters", "preemption.signals",
+RESUME_MAY_CHANGE = ("schedule.max_epochs", "schedule.max_iters", "schedule.val_begin",
+                     "preemption.signals",
                      "logging.step_metrics", "logging.window", *LAUNCH_KEYS)
 
 

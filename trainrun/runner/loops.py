@@ -194,6 +194,8 @@ SCHEDULE = {
     "val_interval": (1, integer(1),
                      "validate every this many epochs (iterations with max_iters) and at the "
                      "end"),
+    "val_begin": (1, integer(1),
+                  "validate only from this epoch (iteration with max_iters) on"),
 }
 
 

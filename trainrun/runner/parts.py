@@ -271,7 +271,7 @@ class PartBuilder:
         return built
 
     def hooks(self, extra: Sequence[Hook], logging: dict[str, Any], checkpoint: dict[str, Any],
-              val_interval: int) -> list[Hook]:
+              val_interval: int, val_begin: int = 1) -> list[Hook]:
         """Every hook of the run in the order they run (by ``priority``): the built-in ones
         (the runner's timer, logging, validation, checkpoints, preemption) and ``extra``."""
         runner = self.runner
@@ -279,7 +279,7 @@ class PartBuilder:
                                                       step_metrics=logging["step_metrics"],
                                                       window=logging["window"])]
         if runner.val_dataloader is not None:
-            hooks.append(ValidationHook(val_interval))
+            hooks.append(ValidationHook(val_interval, val_begin))
         if runner.train_dataloader is not None:
             hooks.append(CheckpointHook(checkpoint["interval"], checkpoint["save_last"],
                                         checkpoint["save_best"], checkpoint["best_rule"],

@@ -297,6 +297,10 @@ def _validation(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
     if val is None:
         return [("validation", "none (data.val is null)")]
     every = f"every {_unit(cfg['schedule'], cfg['schedule']['val_interval'])}"
+    begin = cfg["schedule"].get("val_begin", 1)
+    if begin > 1:
+        every += f" from {'epoch' if cfg['schedule']['max_epochs'] is not None else 'iteration'}" \
+                 f" {begin} on"
     if "type" in val:
         return [("validation", f"{every} on {_val_set(val)}")]
     return [("validation", f"{every} on {len(val)} sets, logged as val/<name>/<metric>:"),

@@ -258,7 +258,8 @@ class Runner:
             self._prepare_work_dir()
             self.metrics_file = self.run_dir.metrics_file()
             self.timer = IterTimerHook(count_batches=logging["step_metrics"])
-            self.hooks = build.hooks(extra_hooks, logging, checkpoint, schedule["val_interval"])
+            self.hooks = build.hooks(extra_hooks, logging, checkpoint, schedule["val_interval"],
+                                     schedule["val_begin"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
             self.iter = 0  # finished training iterations
             self.stop_request: StopRequest | None = None  # while training: a stop signal, if any

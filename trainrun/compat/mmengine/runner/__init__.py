@@ -336,12 +336,12 @@ def loop_section(train_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     by_epoch = True if by_epoch is None else by_epoch
     only("train_cfg", cfg, {"max_epochs", "val_interval", "val_begin"} if by_epoch
          else {"max_iters", "val_interval", "val_begin"})
-    if cfg.pop("val_begin", 1) != 1:
-        raise refused("train_cfg.val_begin", train_cfg["val_begin"], "validation begins at 1")
     length = "max_epochs" if by_epoch else "max_iters"
     if length not in cfg:
         raise ConfigError(f"train_cfg.{length}: missing")
-    return {length: cfg[length], "val_interval": cfg.get("val_interval", 1)}
+    # MMEngine's defaults: every epoch for an epoch-based loop, every 1000 iterations else
+    return {length: cfg[length], "val_interval": cfg.get("val_interval", 1 if by_epoch else 1000),
+            "val_begin": cfg.get("val_begin", 1)}
 
 
 def checked_loop_cfg(key: str, cfg: Any) -> None:
