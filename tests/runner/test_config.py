@@ -575,7 +575,8 @@ def test_missing_tensorboard_is_a_warning_not_an_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("metric, rule", [("val_loss", "less"), ("accuracy", "greater"),
-                                          ("Loss/total", "less")])
+                                          ("Loss/total", "less"),
+                                          ("auto", None)])  # decided by the first metric
 def test_best_rule_follows_the_metric_name(tmp_path, metric, rule):
     assert load(tmp_path, overrides=[f"checkpoint.save_best={metric}"]).checkpoint.best_rule == rule
 

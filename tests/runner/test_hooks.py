@@ -143,6 +143,21 @@ def test_save_best_keeps_only_the_best(metric, rule, values, kept):
     assert len(runner.saved) == len(names)
 
 
+@pytest.mark.parametrize(("first", "rule", "values", "kept"), [
+    ("accuracy", None, [0.5, 0.3, 0.6], [0, 2]),
+    ("val_loss", None, [0.5, 0.6, 0.4], [0, 2]),  # a loss: lower is better
+    ("accuracy", "less", [0.5, 0.3, 0.6], [0, 1]),
+])
+def test_save_best_auto_keeps_the_best_of_the_first_metric_reported(first, rule, values, kept):
+    runner = FakeRunner(by_epoch=False)
+    hook = CheckpointHook(interval=0, save_last=False, save_best="auto", best_rule=rule)
+    for step, value in enumerate(values, start=1):
+        runner.iter = step
+        hook.after_val(runner, {first: value, "other": 1.0 - value})
+    assert hook.save_best == first
+    assert runner.saved == [(f"best_{first}_iter_{k + 1}", False) for k in kept]
+
+
 def test_save_best_outside_training_or_on_a_missing_metric_saves_nothing(caplog):
     runner = FakeRunner(training=False)
     hook = CheckpointHook(save_best="mse")

@@ -22,6 +22,8 @@ from trainrun.runner.schema import (
     rule,
 )
 
+AUTO = "auto"  # checkpoint.save_best: the first metric the first validation reports
+
 
 def best_rule_for(metric: str) -> str:
     """Whether a higher value of ``metric`` is better ('greater') or a lower one ('less': a
@@ -47,7 +49,8 @@ class CheckpointHook(Hook):
         self.interval = interval
         self.background = background  # periodic saves written while training goes on
         self.save_last = save_last
-        self.save_best = save_best
+        self.save_best = save_best  # 'auto': the first metric of the first validation
+        self.best_rule = best_rule
         self.greater = (best_rule or best_rule_for(save_best or "")) == "greater"
         self.best_value: float | None = None
         self.best_path: str | None = None
@@ -77,6 +80,9 @@ class CheckpointHook(Hook):
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
         if not (self.save_best and runner.training):
             return
+        if self.save_best == AUTO and metrics:
+            self.save_best = next(iter(metrics))
+            self.greater = (self.best_rule or best_rule_for(self.save_best)) == "greater"
         if self.save_best not in metrics:
             get_logger().warning("checkpoint.save_best=%r is not among the validation metrics "
                                  "%s; no best checkpoint is kept", self.save_best, list(metrics))
@@ -112,7 +118,8 @@ CHECKPOINT = {
     "save_last": (True, check_bool, "save a checkpoint at the end of training"),
     "save_best": (None, nullable(check_text),
                   "keep best_<metric>_*.pth of the best value of this validation metric "
-                  "(e.g. accuracy, or val/<set>/<metric> with several sets)"),
+                  "(e.g. accuracy, or val/<set>/<metric> with several sets; auto: the first "
+                  "metric the validation reports)"),
     "best_rule": (None, nullable(choice("greater", "less")),
                   "whether greater or less is better for save_best (default: less for a "
                   "name with 'loss' in it, else greater)"),
@@ -130,7 +137,7 @@ def check_checkpoint_section(key: str, value: Any, warnings: list[str]) -> dict[
         if out["best_rule"] is not None:
             warnings.append(f"{key}.best_rule is ignored without {key}.save_best")
             out["best_rule"] = None
-    elif out["best_rule"] is None:
+    elif out["best_rule"] is None and out["save_best"] != AUTO:  # auto: once it is known
         out["best_rule"] = best_rule_for(out["save_best"])
     return out
 
@@ -140,7 +147,7 @@ def check_best_metric(key: str, save_best: str | None, val_sets: list[str] | Non
     names must be one of a set, ``val/<name>/<metric>``: a ConfigError naming ``key``
     otherwise. (Which metrics a set reports is known only once it is scored: a metric name
     no set reports is warned about then, as with one set.)"""
-    if save_best is None or not val_sets:
+    if save_best in (None, AUTO) or not val_sets:
         return
     prefix, _, rest = save_best.partition("/")
     name, _, metric = rest.partition("/")

@@ -251,9 +251,6 @@ def hook_sections(default_hooks: Mapping[str, Any] | None, by_epoch: bool
             checkpoint = {"interval": cfg.get("interval", 1),
                           "max_keep": cfg.get("max_keep_ckpts", -1),
                           "save_last": cfg.get("save_last", True)}
-            if cfg.get("save_best") == "auto":
-                raise refused("default_hooks.checkpoint.save_best", "auto",
-                              "name the metric, e.g. save_best='accuracy'")
             if cfg.get("save_best") is not None:
                 checkpoint["save_best"] = cfg["save_best"]
                 if cfg.get("rule"):
