@@ -64,6 +64,9 @@ RUNS = {  # processes, options, iterations recorded (over all ranks)
     # each rank seeds with seed + rank (dropout differs by rank); the samplers share
     # MMEngine's synced draw
     "2 processes, diff_rank_seed": (2, ("--diff-rank-seed",), 96),
+    # the model's init_weights (and a child's) redraw weights before training; with
+    # diff_rank_seed each rank draws its own, and rank 0's are broadcast
+    "2 processes, init_weights": (2, ("--init-weights", "--diff-rank-seed"), 96),
 }
 
 

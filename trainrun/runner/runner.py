@@ -224,7 +224,8 @@ class Runner:
             log_restart(self.logger)
             self.precision = precision
 
-            model = build_model(model) if isinstance(model, Mapping) else model
+            model = self.prepare_model(build_model(model) if isinstance(model, Mapping)
+                                       else model)
             shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
             build = PartBuilder(self)
             self.train_dataloader = build.loader(train_dataloader, "train")
@@ -352,6 +353,18 @@ class Runner:
         """
         if self.stop_reason is None:
             self.stop_reason = reason
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The built model, before the strategy wraps it; a subclass's place to change it
+        (the MMEngine compat Runner initialises its weights here). As it is, by default.
+
+        Args:
+            model: the model, built (after the seeding) or as it was given.
+
+        Returns:
+            The model the strategy wraps.
+        """
+        return model
 
     def train_done(self) -> bool:
         """Whether training is over: a stop was requested, or the schedule is complete.

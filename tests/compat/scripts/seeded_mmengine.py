@@ -64,15 +64,32 @@ class ToyDataset(Dataset):
         return dict(inputs=self.inputs[idx], labels=self.labels[idx])
 
 
+class InitLinear(nn.Linear):
+    """A layer with its own ``init_weights``, which MMEngine's BaseModule.init_weights calls
+    for a child module that has one."""
+
+    def init_weights(self):
+        nn.init.normal_(self.weight, std=0.3)
+        nn.init.uniform_(self.bias, -0.1, 0.1)
+
+
 @MODELS.register_module()
 class Net(BaseModel):
     """A 16-32-4 MLP; built from ``dict(type='Net')`` so its init runs after the seeding."""
 
-    def __init__(self, hidden=32, dropout=0.0):
+    def __init__(self, hidden=32, dropout=0.0, custom_init=False):
         super().__init__()
         self.fc1 = nn.Linear(NUM_FEATURES, hidden)
-        self.fc2 = nn.Linear(hidden, NUM_CLASSES)
+        self.fc2 = (InitLinear if custom_init else nn.Linear)(hidden, NUM_CLASSES)
         self.dropout = dropout  # > 0: each rank's own random stream shows in its losses
+        self.custom_init = custom_init
+
+    def init_weights(self):
+        """With ``custom_init``: fc1 drawn again here, fc2 by its own init_weights (through
+        BaseModel's); the runner calls this before training."""
+        if self.custom_init:
+            nn.init.kaiming_uniform_(self.fc1.weight, a=1.0)
+        super().init_weights()
 
     def forward(self, inputs, labels, mode='tensor'):
         x = F.relu(self.fc1(inputs))
@@ -147,6 +164,8 @@ def parse_args():
     parser.add_argument('--data-format', choices=['dict', 'tuple'], default='dict')
     parser.add_argument('--iter-based', action='store_true',
                         help='IterBasedTrainLoop over an InfiniteSampler, for 40 iterations')
+    parser.add_argument('--init-weights', action='store_true',
+                        help="a model whose init_weights draws its weights again")
     parser.add_argument('--diff-rank-seed', action='store_true',
                         help='randomness.diff_rank_seed, with dropout 0.5 in the model and '
                         'a numpy jitter in the training data')
@@ -163,7 +182,8 @@ def main():
                    jitter=0.1 if args.diff_rank_seed else 0.0)
     val_dataset = dict(type='ToyDataset', num_samples=64, data_seed=4321,
                        data_format=args.data_format)
-    model = dict(type='Net', dropout=0.5 if args.diff_rank_seed else 0.0)
+    model = dict(type='Net', dropout=0.5 if args.diff_rank_seed else 0.0,
+                 custom_init=args.init_weights)
     checkpoint = dict(type='CheckpointHook', interval=1)
     sampler = dict(type='DefaultSampler', shuffle=True)
     scheduler = dict(type='MultiStepLR', by_epoch=True, milestones=[2], gamma=0.1)

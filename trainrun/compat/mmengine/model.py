@@ -103,7 +103,8 @@ class BaseModel(_Model):
         data_preprocessor: a module, or a config dict built by the compat ``MODELS`` registry;
             None: ``BaseDataPreprocessor`` (moves the batch to the model's device).
         init_cfg: MMEngine's weight initialisation config; refused (initialise the weights in
-            ``__init__``, which runs after the runner has seeded every generator).
+            ``__init__``, or in ``init_weights``, which the compat Runner calls before
+            training as MMEngine's does).
 
     Raises:
         ConfigError: an ``init_cfg`` was given.
@@ -125,6 +126,25 @@ class BaseModel(_Model):
             raise TypeError(f"data_preprocessor: expected an nn.Module or a config dict, got "
                             f"{type(data_preprocessor).__name__}")
         self.data_preprocessor = data_preprocessor
+        self._is_init = False
+
+    @property
+    def is_init(self) -> bool:
+        """Whether ``init_weights`` has run."""
+        return self._is_init
+
+    def init_weights(self) -> None:
+        """MMEngine's ``BaseModule.init_weights`` without ``init_cfg``: each direct child's
+        own ``init_weights()`` where it has one and has not run it. The compat Runner calls
+        it before training, as MMEngine's Runner does; a model that overrides it initialises
+        its weights there (and calls this for its children's)."""
+        if self._is_init:
+            return
+        for child in self.children():
+            if callable(getattr(child, "init_weights", None)) and \
+                    not getattr(child, "is_init", False):
+                child.init_weights()
+        self._is_init = True
 
     def forward_arguments(self, data: Any, mode: str) -> tuple[tuple, dict[str, Any]]:
         """What trainrun's strategies call ``forward`` with: the preprocessed batch, unpacked.

@@ -34,6 +34,7 @@ from trainrun.compat.mmengine.refusal import only, refused, type_name
 from trainrun.compat.mmengine.registry import DATASETS, FUNCTIONS, HOOKS, RUNNERS
 from trainrun.compat.mmengine.work_dir import LastCheckpointFile, MMEngineRunDir
 from trainrun.dist import (
+    broadcast,
     get_dist_info,
     infer_launcher,
     init_dist,
@@ -539,6 +540,7 @@ class Runner(TrainrunRunner):
         if not (hasattr(sys, "ps1") or sys.flags.interactive):  # a script, not a prompt
             sys.excepthook = exit_2_on_refusal
         check_arguments(arguments)
+        self._trains = arguments["train_dataloader"] is not None  # MMEngine inits to train
         joined = join(arguments["launcher"], arguments["env_cfg"])
         try:
             runner_kwargs, synced = runner_arguments(strategy, precision, arguments)
@@ -553,6 +555,19 @@ class Runner(TrainrunRunner):
             raise
         self._owns_group = joined  # trainrun's close() leaves the group this runner joined
         self.mmengine_cfg = arguments["cfg"]
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """MMEngine's weight initialisation, for a runner that trains: the model's
+        ``init_weights()`` where it has one, after the seeding (MMEngine calls it at the
+        start of ``train()``, with the same draws from the seeded generators), then rank 0's
+        weights and buffers on every rank, as MMEngine broadcasts them."""
+        init = getattr(model, "init_weights", None)
+        if self._trains and callable(init):
+            init()
+            if is_distributed():
+                for tensor in model.state_dict().values():
+                    broadcast(tensor, 0)
+        return model
 
     def resume(self, path: str | os.PathLike) -> None:
         """trainrun's resume; from MMEngine's own file in an iteration-based run, the data
