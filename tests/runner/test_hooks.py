@@ -15,8 +15,14 @@ import pytest
 import torch
 
 import trainrun.dist as dist
+from trainrun.dist import Handle
 from trainrun.runner.hooks import CheckpointHook, Hook, IterTimerHook, LoggerHook, ValidationHook
-from trainrun.runner.hooks.logger import gather_logged, peak_memory_mb, window_means
+from trainrun.runner.hooks.logger import (
+    Gathering,
+    gather_logged,
+    peak_memory_mb,
+    window_means,
+)
 from trainrun.runner.hooks.timer import batch_counts
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.run_dir import MetricsFile
@@ -344,11 +350,31 @@ def test_gather_logged_means_each_value_in_its_dtype_and_keeps_every_ranks_count
     means, counts = on_ranks(_gather_logged_body)[0]
     assert list(means) == ["loss", "aux", "count"]  # rank 0's order
     losses = torch.tensor([0.1 + r / 3 for r in range(world_size)])  # float32, as logged
-    assert means["loss"] == torch.true_divide(losses.sum(), world_size).item()  # to the bit
+    exact = losses.double().sum() / world_size  # the float64 sum of float32s is exact
+    assert means["loss"] == exact.float().item()  # to the bit: rounded once
+    if world_size <= 2:  # and what an all_reduce of the loss gives
+        assert means["loss"] == torch.true_divide(losses.sum(), world_size).item()
     aux = torch.tensor([1.5 + r for r in range(world_size)], dtype=torch.bfloat16)
     assert means["aux"] == torch.true_divide(aux.sum(), world_size).item()
     assert means["count"] == pytest.approx(world_size - 1)
     assert counts == [[8.0, 0.0, 100.0 + r] for r in range(world_size)]
+
+
+def test_a_logged_mean_is_rounded_once_whatever_the_rows_hold():
+    # four ranks' float32 losses whose float32 sum loses bits (1 + 2**-24 rounds to 1): the
+    # mean is the exact one rounded once, the same with or without other columns beside it
+    tiny = 2.0 ** -24
+    losses = [1.0, tiny, tiny, tiny]
+    expected = torch.tensor((1.0 + 3 * tiny) / 4, dtype=torch.float32).item()
+    assert expected != torch.tensor(losses).sum().item() / 4  # float32 addition would differ
+    for extra in ([], [[5.0, 1.0]] * 4):
+        rows = torch.tensor([[loss, *(extra[i] if extra else [])]
+                             for i, loss in enumerate(losses)], dtype=torch.float64)
+        keys = ["loss", "a", "b"][:rows.shape[1]]
+        dtypes = [torch.float32, torch.float64, torch.float32][:rows.shape[1]]
+        gathering = Gathering(Handle(finish=lambda rows=rows: rows), keys, dtypes, keys, False)
+        means, _ = gathering.result()
+        assert means["loss"] == expected
 
 
 def test_without_step_metrics_the_logger_writes_the_same_means_and_no_metrics(run_on, tmp_path):

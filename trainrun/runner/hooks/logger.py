@@ -337,9 +337,16 @@ class Gathering:
         means: dict[str, float] = {}
         for dtype in dict.fromkeys(dtypes):  # usually one: a few tensor operations in all
             columns = [i for i, d in enumerate(dtypes) if d == dtype]
-            sums = (block if len(columns) == len(keys) else block[:, columns]).to(dtype).sum(0)
-            means.update(zip((keys[i] for i in columns),
-                             torch.true_divide(sums, world_size).tolist(), strict=True))
+            picked = block if len(columns) == len(keys) else block[:, columns]
+            if dtype.is_floating_point:
+                # summed in float64, where the sum of these values is exact in any order,
+                # then divided and rounded once to their dtype: the same bits however many
+                # values a row holds (torch adds a column of four in another order than four
+                # rows of several) and whichever path writes the line
+                mean = torch.true_divide(picked.sum(0), world_size).to(dtype)
+            else:
+                mean = torch.true_divide(picked.to(dtype).sum(0), world_size)
+            means.update(zip((keys[i] for i in columns), mean.tolist(), strict=True))
         return ({key: means[key] for key in self.order},
                 rows[:, len(keys):].tolist() if self.with_counts else None)
 
@@ -364,10 +371,11 @@ def gather_logged(values: dict[str, Any], counts: list[float] | None
     One gather of one float64 row a rank (`gather_rows`). On gloo it costs what an all_reduce
     of a single number does (one exchange between two ranks), where an all_reduce of more than
     one number takes two, and a second collective for the counts another. float64 holds every
-    float32, float16 and bfloat16 value and every count exactly; the means are then taken in
-    their values' own dtype, the sum over the ranks and a true division by their number, so
-    that a float32 loss's mean has the bits an all_reduce of it gives (on two ranks, where the
-    order of a sum cannot matter; on more, torch sums the ranks' rows).
+    float32, float16 and bfloat16 value and every count exactly; a floating-point value's
+    mean is the sum over the ranks in float64 (exact for such values, whatever the order of
+    addition), divided by their number and rounded once to the value's own dtype, so that a
+    float32 loss's mean has the bits an all_reduce of it gives on two ranks, and the same bits
+    on any path and row width on more.
     """
     return start_gather(values, counts).result()
 
