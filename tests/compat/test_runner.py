@@ -18,7 +18,7 @@ from tests.cli import run
 from trainrun.compat.mmengine.config import Config
 from trainrun.compat.mmengine.model import BaseModel
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
-from trainrun.compat.mmengine.runner import Runner, loop_section
+from trainrun.compat.mmengine.runner import Runner, loop_section, optim_section
 from trainrun.runner.hooks import LoggerHook
 from trainrun.runner.schema import ConfigError
 
@@ -133,8 +133,17 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
 @pytest.mark.parametrize(("change", "named"), [
     ({"auto_scale_lr": {"enable": True, "base_batch_size": 16}}, "auto_scale_lr"),
     ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
-                        "clip_grad": {"type": "value", "clip_value": 1}}},
-     "optim_wrapper.clip_grad.type"),
+                        "clip_grad": {"type": "range", "clip_value": 1}}},
+     "optim_wrapper.clip_grad.type='range'"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"type": "value", "max_norm": 1}}},
+     "optim_wrapper.clip_grad.max_norm=1"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"type": "value"}}},
+     "optim_wrapper.clip_grad.clip_value: missing"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"max_norm": 1, "clip_value": 1}}},
+     "optim_wrapper.clip_grad.clip_value=1"),
     ({"optim_wrapper": {"type": "ApexOptimWrapper", "optimizer": {"type": "SGD", "lr": 0.1}}},
      "optim_wrapper.type"),
     ({"param_scheduler": {"type": "CosineRestartLR", "periods": [4]}},
@@ -173,6 +182,28 @@ def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: 
     assert str(refusal.value).startswith(named), str(refusal.value)
     assert "\n" not in str(refusal.value)
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize(("clip_grad", "section"), [
+    ({"type": "value", "clip_value": 0.5}, {"clip_value": 0.5}),
+    ({"type": "value", "clip_value": 2, "foreach": False}, {"clip_value": 2, "foreach": False}),
+    ({"max_norm": 1.0}, {"max_norm": 1.0}),
+    ({"type": "norm", "max_norm": 3, "norm_type": 1}, {"max_norm": 3, "norm_type": 1}),
+])
+def test_clip_grad_maps_onto_optim_clip_grad_by_value_or_by_norm(tmp_path: Path, clip_grad,
+                                                                  section):
+    """MMEngine's type='value' (torch's clip_grad_value_ arguments) is trainrun's
+    ``{clip_value: ...}``; type='norm' (the default) its ``{max_norm: ...}``."""
+    optim_wrapper = {"optimizer": {"type": "SGD", "lr": 0.1}, "clip_grad": clip_grad}
+    given = dict(clip_grad)
+    assert optim_section(optim_wrapper) == (
+        {"type": "SGD", "lr": 0.1, "clip_grad": section, "accumulate": 1}, "fp32")
+    runner = Runner(**arguments(tmp_path / "run", optim_wrapper=optim_wrapper))
+    try:
+        assert runner.optim_wrapper.clip_grad == section
+    finally:
+        runner.close()
+    assert clip_grad == given  # the user's dict is not consumed
 
 
 def logged_window(**kwargs) -> int:

@@ -210,10 +210,7 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
     section: dict[str, Any] = {**optimizer, "type": type_name(optimizer["type"])}
     clip = cfg.get("clip_grad")
     if clip is not None:
-        clip = dict(clip)
-        if clip.pop("type", "norm") != "norm":
-            raise refused("optim_wrapper.clip_grad.type", "value", "trainrun clips the norm")
-        section["clip_grad"] = clip
+        section["clip_grad"] = clip_grad_section(clip)
     section["accumulate"] = cfg.get("accumulative_counts", 1)
     if cfg.get("paramwise_cfg"):
         paramwise = dict(cfg["paramwise_cfg"])
@@ -221,6 +218,30 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
              {"norm_decay_mult", "bias_decay_mult", "custom_keys"})
         section["paramwise"] = paramwise
     return section, precision
+
+
+def clip_grad_section(cfg: Any) -> dict[str, Any]:
+    """trainrun's ``optim.clip_grad`` from MMEngine's ``optim_wrapper.clip_grad``: the
+    keyword arguments of ``clip_grad_norm_`` (type 'norm', the default) or of
+    ``clip_grad_value_`` (type 'value'), which trainrun tells apart by ``max_norm`` or
+    ``clip_value``."""
+    if not isinstance(cfg, Mapping):
+        raise refused("optim_wrapper.clip_grad", cfg, "give a dict")
+    clip = dict(cfg)
+    kind = clip.pop("type", "norm")
+    if kind == "value":
+        only("optim_wrapper.clip_grad", clip, {"clip_value", "foreach"})
+        if "clip_value" not in clip:
+            raise ConfigError("optim_wrapper.clip_grad.clip_value: missing (type='value' "
+                              "clips each gradient value to [-clip_value, clip_value])")
+    elif kind == "norm":
+        if "clip_value" in clip:
+            raise refused("optim_wrapper.clip_grad.clip_value", clip["clip_value"],
+                          "type='norm' takes clip_grad_norm_'s arguments; clip by value with "
+                          "type='value'")
+    else:
+        raise refused("optim_wrapper.clip_grad.type", kind, "use 'norm' or 'value'")
+    return clip
 
 
 # ---------------------------------------------------------------- hooks
