@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from tests.cli import run
 from trainrun.compat.mmengine.config import Config
+from trainrun.compat.mmengine.dataset import DefaultSampler
 from trainrun.compat.mmengine.model import BaseModel
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
-from trainrun.compat.mmengine.runner import Runner, loop_section, optim_section
+from trainrun.compat.mmengine.runner import FlexibleRunner, Runner, loop_section, optim_section
 from trainrun.runner.hooks import LoggerHook
 from trainrun.runner.schema import ConfigError
 
@@ -243,6 +244,25 @@ def test_a_sampler_other_than_mmengines_two_is_refused(tmp_path: Path):
     loader["sampler"]["type"] = "InfiniteSampler"  # an epoch-based run's data has an end
     with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='InfiniteSampler'"):
         Runner(**arguments(tmp_path / "run", train_dataloader=loader, **by_epoch))
+
+
+def test_round_up_false_is_refused_for_training_and_under_a_sharding_strategy(tmp_path: Path):
+    """Ranks whose shares differ by a sample can run different numbers of batches: DDP's
+    training waits for the missing ones, and so does every forward under FSDP."""
+    exact = {"type": "DefaultSampler", "shuffle": False, "round_up": False}
+    loader = {"dataset": {"type": CompatPoints}, "batch_size": 8, "sampler": exact}
+    named = r"^train_dataloader\.sampler\.round_up=False: not supported .*val_dataloader"
+    with pytest.raises(ConfigError, match=named):
+        Runner(**arguments(tmp_path / "run", train_dataloader=loader))
+    built = DataLoader(CompatPoints(), batch_size=8,
+                       sampler=DefaultSampler(CompatPoints(), shuffle=False, round_up=False))
+    with pytest.raises(ConfigError, match=named):  # a DataLoader built by the script too
+        Runner(**arguments(tmp_path / "run", train_dataloader=built))
+    val = {"val_dataloader": loader, "val_cfg": {}, "val_evaluator": {"type": "accuracy"}}
+    with pytest.raises(ConfigError, match=r"^val_dataloader\.sampler\.round_up=False: .*fsdp"):
+        FlexibleRunner(**arguments(tmp_path / "run", **val),
+                       strategy={"type": "FSDPStrategy"})
+    assert not (tmp_path / "run").exists()
 
 
 def test_from_cfg_takes_the_configs_variables_and_its_wrapper_options(tmp_path: Path):

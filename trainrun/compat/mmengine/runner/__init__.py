@@ -105,6 +105,28 @@ def collate_function(key: str, value: Any) -> Callable:
     raise refused(key, value, "give a function or dict(type=<function name>)")
 
 
+def check_shares(key: str, loader: DataLoader | None, strategy: str) -> None:
+    """Refuse a ``DefaultSampler(round_up=False)`` where ranks with unequal shares would
+    wait for each other: in training (a rank with one batch fewer leaves DDP's all-reduce
+    waiting; MMEngine's loop does not guard against it either), and for validation or test
+    data under a ``strategy`` other than ddp, whose forward needs every rank (fsdp gathers
+    the sharded parameters; DeepSpeed's engine may)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DefaultSampler) or sampler.round_up:
+        return
+    if key == "train_dataloader":
+        raise refused(f"{key}.sampler.round_up", False,
+                      "ranks whose shares differ by a sample can train different numbers of "
+                      "batches, which leaves DDP waiting; use round_up=False for "
+                      "val_dataloader and test_dataloader")
+    if strategy != "ddp":
+        raise refused(f"{key}.sampler.round_up", False,
+                      f"under trainrun's {strategy} strategy every forward needs every rank, "
+                      "and ranks with unequal shares can run different numbers of batches; "
+                      "use round_up=True (the padding is cut before the metrics) or "
+                      "DDPStrategy")
+
+
 class SyncedSeeds:
     """The seeds MMEngine gives samplers without one under ``diff_rank_seed``: its
     ``sync_random_seed()``, a draw from numpy's global generator on every rank (rank 0's
@@ -506,6 +528,9 @@ def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
     run_dir = MMEngineRunDir(given["work_dir"])
     val_loader = build_loader("val_dataloader", given["val_dataloader"], own, None, synced)
     test_loader = build_loader("test_dataloader", given["test_dataloader"], own, None, synced)
+    for key, loader in (("train_dataloader", train_loader), ("val_dataloader", val_loader),
+                        ("test_dataloader", test_loader)):
+        check_shares(key, loader, strategy["type"])
     val_metrics = evaluator_metrics("val_evaluator", given["val_evaluator"], val_loader)
     test_metrics = evaluator_metrics("test_evaluator", given["test_evaluator"], test_loader)
     return dict(
