@@ -207,6 +207,16 @@ def test_clip_grad_maps_onto_optim_clip_grad_by_value_or_by_norm(tmp_path: Path,
     assert clip_grad == given  # the user's dict is not consumed
 
 
+def test_clip_grad_by_value_is_refused_with_deepspeed(tmp_path: Path):
+    """DeepSpeed's engine clips the total norm only: refused before anything starts."""
+    optim_wrapper = {"type": "DeepSpeedOptimWrapper", "optimizer": {"type": "SGD", "lr": 0.1},
+                     "clip_grad": {"type": "value", "clip_value": 0.5}}
+    with pytest.raises(ConfigError, match=r"^optim_wrapper\.clip_grad\.type='value': .*norm"):
+        FlexibleRunner(**arguments(tmp_path / "run", optim_wrapper=optim_wrapper),
+                       strategy={"type": "DeepSpeedStrategy"})
+    assert not (tmp_path / "run").exists()
+
+
 def logged_window(**kwargs) -> int:
     """The ``logging.window`` the compat Runner built from MMEngine's arguments."""
     runner = Runner(**kwargs)

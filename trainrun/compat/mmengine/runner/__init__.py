@@ -518,6 +518,9 @@ def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
                                 schedule.get("max_iters") if schedule else None,
                                 synced)
     optim, wrapper_precision = optim_section(given["optim_wrapper"])
+    if strategy["type"] == "deepspeed" and "clip_value" in ((optim or {}).get("clip_grad") or {}):
+        raise refused("optim_wrapper.clip_grad.type", "value",
+                      "DeepSpeedStrategy clips the total norm only (its gradient_clipping)")
     scheduler = None
     if train_loader is not None and given["param_scheduler"] is not None:
         scheduler = scheduler_factory(given["param_scheduler"],
