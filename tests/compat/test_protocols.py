@@ -147,6 +147,76 @@ def test_under_ddp_on_two_ranks_too(run_on, tmp_path: Path):
     assert mm == plain
 
 
+class IndexedPoints(Points):
+    """Points as dicts that name their index, for a metric to see which samples it scored."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"inputs": self.x[index], "labels": self.y[index], "index": torch.tensor(index)}
+
+
+class IndexedNet(MMNet):
+    def forward(self, inputs, labels, index=None, mode="tensor"):
+        if mode == "predict":
+            return self.net(inputs), labels, index
+        return super().forward(inputs, labels, mode)
+
+
+class PerSample(BaseMetric):
+    """One result per sample (its index, loss and whether it was right); counts the samples
+    this rank scored."""
+
+    def __init__(self):
+        super().__init__()
+        self.scored = 0
+
+    def process(self, data_batch, data_samples):
+        scores, labels, index = data_samples
+        losses = F.cross_entropy(scores, labels, reduction="none")
+        right = scores.argmax(dim=1) == labels
+        self.results.extend(zip(index.tolist(), losses.tolist(), right.tolist(), strict=True))
+        self.scored += len(labels)
+
+    def compute_metrics(self, results):
+        indices = [index for index, _, _ in results]
+        return {"samples": len(results), "distinct": len(set(indices)),
+                "in_order": indices == sorted(indices),
+                "loss": sum(loss for _, loss, _ in results) / len(results),
+                "accuracy": sum(right for _, _, right in results) / len(results)}
+
+
+def _validate_without_padding(work_dir: str, size: int, split: str) -> tuple[dict, int]:
+    from trainrun.compat.mmengine.runner import Runner as CompatRunner
+    from trainrun.dist import get_rank
+
+    metric = PerSample()
+    loader = {"dataset": IndexedPoints(size), "batch_size": 4,
+              "sampler": {"type": "DefaultSampler", "shuffle": False, "round_up": False},
+              "collate_fn": {"type": "default_collate"}}
+    runner = CompatRunner(model=IndexedNet(), work_dir=f"{work_dir}/rank{get_rank()}",
+                          **{f"{split}_dataloader": loader, f"{split}_cfg": {},
+                             f"{split}_evaluator": metric})
+    try:
+        metrics = runner.val() if split == "val" else runner.test()
+    finally:
+        runner.close()
+    return metrics, metric.scored
+
+
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_round_up_false_scores_every_sample_once_on_two_ranks(run_on, tmp_path: Path, split):
+    """41 samples on 2 ranks: 21 and 20, in 6 and 5 batches (DDP's eval forward waits for no
+    other rank); the metric sees each sample once, in the data set's order, and equals the
+    one computed over the whole set in one process."""
+    (one, scored), = run_on(1)(_validate_without_padding, str(tmp_path / "one"), 41, split)
+    assert scored == 41
+    ranks = run_on(2)(_validate_without_padding, str(tmp_path / "two"), 41, split)
+    assert [scored for _, scored in ranks] == [21, 20]
+    for metrics, _ in ranks:  # every rank learns the values
+        assert {k: v for k, v in metrics.items() if k != "loss"} == {
+            "samples": 41, "distinct": 41, "in_order": True, "accuracy": one["accuracy"]}
+        assert metrics["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
 def test_the_metric_is_logged_under_its_prefix_and_the_hook_sees_mmengine_points(
         tmp_path: Path):
     recorder = Recorder()
@@ -185,8 +255,14 @@ def test_the_default_sampler_deals_mmengines_order():
     order = torch.randperm(10, generator=torch.Generator().manual_seed(9)).tolist()
     padded = (order * 2)[:12]
     assert list(sampler) == padded[1:12:4]
-    with pytest.raises(ValueError, match="round_up"):
-        DefaultSampler(data, round_up=False)
+    exact = DefaultSampler(data, shuffle=True, seed=7, round_up=False)
+    exact.set_epoch(2)
+    shares = []
+    for rank in range(4):  # MMEngine's round_up=False: no padding, nothing twice
+        exact.num_replicas, exact.rank = 4, rank
+        assert len(exact) == len(range(rank, 10, 4))
+        shares.append(list(exact))
+    assert shares == [order[rank::4] for rank in range(4)]
 
 
 def test_collate_functions():

@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from tests.cli import run
 from trainrun.compat.mmengine.config import Config
+from trainrun.compat.mmengine.dataset import DefaultSampler
 from trainrun.compat.mmengine.model import BaseModel
 from trainrun.compat.mmengine.param_scheduler import scheduler_factory
-from trainrun.compat.mmengine.runner import Runner, loop_section
+from trainrun.compat.mmengine.runner import FlexibleRunner, Runner, loop_section, optim_section
 from trainrun.runner.hooks import LoggerHook
 from trainrun.runner.schema import ConfigError
 
@@ -133,8 +134,17 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
 @pytest.mark.parametrize(("change", "named"), [
     ({"auto_scale_lr": {"enable": True, "base_batch_size": 16}}, "auto_scale_lr"),
     ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
-                        "clip_grad": {"type": "value", "clip_value": 1}}},
-     "optim_wrapper.clip_grad.type"),
+                        "clip_grad": {"type": "range", "clip_value": 1}}},
+     "optim_wrapper.clip_grad.type='range'"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"type": "value", "max_norm": 1}}},
+     "optim_wrapper.clip_grad.max_norm=1"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"type": "value"}}},
+     "optim_wrapper.clip_grad.clip_value: missing"),
+    ({"optim_wrapper": {"optimizer": {"type": "SGD", "lr": 0.1},
+                        "clip_grad": {"max_norm": 1, "clip_value": 1}}},
+     "optim_wrapper.clip_grad.clip_value=1"),
     ({"optim_wrapper": {"type": "ApexOptimWrapper", "optimizer": {"type": "SGD", "lr": 0.1}}},
      "optim_wrapper.type"),
     ({"param_scheduler": {"type": "CosineRestartLR", "periods": [4]}},
@@ -175,6 +185,38 @@ def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: 
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+@pytest.mark.parametrize(("clip_grad", "section"), [
+    ({"type": "value", "clip_value": 0.5}, {"clip_value": 0.5}),
+    ({"type": "value", "clip_value": 2, "foreach": False}, {"clip_value": 2, "foreach": False}),
+    ({"max_norm": 1.0}, {"max_norm": 1.0}),
+    ({"type": "norm", "max_norm": 3, "norm_type": 1}, {"max_norm": 3, "norm_type": 1}),
+])
+def test_clip_grad_maps_onto_optim_clip_grad_by_value_or_by_norm(tmp_path: Path, clip_grad,
+                                                                  section):
+    """MMEngine's type='value' (torch's clip_grad_value_ arguments) is trainrun's
+    ``{clip_value: ...}``; type='norm' (the default) its ``{max_norm: ...}``."""
+    optim_wrapper = {"optimizer": {"type": "SGD", "lr": 0.1}, "clip_grad": clip_grad}
+    given = dict(clip_grad)
+    assert optim_section(optim_wrapper) == (
+        {"type": "SGD", "lr": 0.1, "clip_grad": section, "accumulate": 1}, "fp32")
+    runner = Runner(**arguments(tmp_path / "run", optim_wrapper=optim_wrapper))
+    try:
+        assert runner.optim_wrapper.clip_grad == section
+    finally:
+        runner.close()
+    assert clip_grad == given  # the user's dict is not consumed
+
+
+def test_clip_grad_by_value_is_refused_with_deepspeed(tmp_path: Path):
+    """DeepSpeed's engine clips the total norm only: refused before anything starts."""
+    optim_wrapper = {"type": "DeepSpeedOptimWrapper", "optimizer": {"type": "SGD", "lr": 0.1},
+                     "clip_grad": {"type": "value", "clip_value": 0.5}}
+    with pytest.raises(ConfigError, match=r"^optim_wrapper\.clip_grad\.type='value': .*norm"):
+        FlexibleRunner(**arguments(tmp_path / "run", optim_wrapper=optim_wrapper),
+                       strategy={"type": "DeepSpeedStrategy"})
+    assert not (tmp_path / "run").exists()
+
+
 def logged_window(**kwargs) -> int:
     """The ``logging.window`` the compat Runner built from MMEngine's arguments."""
     runner = Runner(**kwargs)
@@ -212,6 +254,25 @@ def test_a_sampler_other_than_mmengines_two_is_refused(tmp_path: Path):
     loader["sampler"]["type"] = "InfiniteSampler"  # an epoch-based run's data has an end
     with pytest.raises(ConfigError, match=r"^train_dataloader\.sampler\.type='InfiniteSampler'"):
         Runner(**arguments(tmp_path / "run", train_dataloader=loader, **by_epoch))
+
+
+def test_round_up_false_is_refused_for_training_and_under_a_sharding_strategy(tmp_path: Path):
+    """Ranks whose shares differ by a sample can run different numbers of batches: DDP's
+    training waits for the missing ones, and so does every forward under FSDP."""
+    exact = {"type": "DefaultSampler", "shuffle": False, "round_up": False}
+    loader = {"dataset": {"type": CompatPoints}, "batch_size": 8, "sampler": exact}
+    named = r"^train_dataloader\.sampler\.round_up=False: not supported .*val_dataloader"
+    with pytest.raises(ConfigError, match=named):
+        Runner(**arguments(tmp_path / "run", train_dataloader=loader))
+    built = DataLoader(CompatPoints(), batch_size=8,
+                       sampler=DefaultSampler(CompatPoints(), shuffle=False, round_up=False))
+    with pytest.raises(ConfigError, match=named):  # a DataLoader built by the script too
+        Runner(**arguments(tmp_path / "run", train_dataloader=built))
+    val = {"val_dataloader": loader, "val_cfg": {}, "val_evaluator": {"type": "accuracy"}}
+    with pytest.raises(ConfigError, match=r"^val_dataloader\.sampler\.round_up=False: .*fsdp"):
+        FlexibleRunner(**arguments(tmp_path / "run", **val),
+                       strategy={"type": "FSDPStrategy"})
+    assert not (tmp_path / "run").exists()
 
 
 def test_from_cfg_takes_the_configs_variables_and_its_wrapper_options(tmp_path: Path):

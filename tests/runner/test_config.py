@@ -301,10 +301,23 @@ BAD_OVERRIDES = [
     (["optim.weight_decay=-1"], "optim.weight_decay: got -1, expected a number >= 0"),
     (["optim.type=LBFGS", "optim.weight_decay=0.1"], "unknown key 'optim.weight_decay'"),
     (["optim.clip_grad=0"], "optim.clip_grad.max_norm: got 0, expected a number > 0"),
-    (["optim.clip_grad=big"], "optim.clip_grad: got 'big', expected null, a number > 0 or"),
+    (["optim.clip_grad=big"], "optim.clip_grad: got 'big', expected null, a number > 0, "
+                              "{max_norm: ..., norm_type: ...} or {clip_value: ...}"),
     (["optim.clip_grad.norm_type=2"], "optim.clip_grad.max_norm: missing"),
     (["optim.clip_grad.max_nrom=1"], "unknown key 'optim.clip_grad.max_nrom'; "
                                      "did you mean 'optim.clip_grad.max_norm'?"),
+    (["optim.clip_grad.clip_value=0"], "optim.clip_grad.clip_value: got 0, expected a number > 0"),
+    (["optim.clip_grad.clip_value=big"],
+     "optim.clip_grad.clip_value: got 'big', expected a number > 0"),
+    (["optim.clip_grad.clip_valeu=1"], "unknown key 'optim.clip_grad.clip_valeu'; "
+                                       "did you mean 'optim.clip_grad.clip_value'?"),
+    (["optim.clip_grad.clip_value=1", "optim.clip_grad.norm_type=1"],
+     "unknown key 'optim.clip_grad.norm_type'; expected one of clip_value, foreach"),
+    (["optim.clip_grad.clip_value=1", "optim.clip_grad.max_norm=2"],
+     "optim.clip_grad: got {'clip_value': 1, 'max_norm': 2}, expected max_norm (clip the "
+     "norm) or clip_value (clip each value), not both"),
+    (["optim.clip_grad.clip_value=1", "optim.clip_grad.foreach=maybe"],
+     "optim.clip_grad.foreach: got 'maybe', expected null or true or false"),
     (["optim.accumulate=0"], "optim.accumulate: got 0, expected an int >= 1"),
     (["optim.per_module=[g]"], "optim.per_module: got ['g'], expected null or a mapping"),
     (["optim.per_module.gen.lr=-1"], "optim.per_module.gen.lr: got -1, expected a number > 0"),
@@ -508,6 +521,39 @@ optim:
     generator, discriminator = wrappers["generator"], wrappers["discriminator"]
     assert (generator.clip_grad["max_norm"], generator.accumulate) == (5.0, 1)
     assert (discriminator.clip_grad["max_norm"], discriminator.accumulate) == (1.0, 2)
+
+
+def test_clip_grad_by_value_reaches_the_wrapper_as_given(tmp_path):
+    """``{clip_value: ...}`` (torch's clip_grad_value_ arguments) is kept as it is; a
+    per-module override replaces the shared form whole."""
+    text = MINIMAL + """\
+optim:
+  type: SGD
+  clip_grad: {clip_value: 0.5}
+  per_module: {generator: {}, discriminator: {clip_grad: {clip_value: 0.1, foreach: false}}}
+"""
+    optim = OmegaConf.to_container(load(tmp_path, text).optim)
+    assert optim["clip_grad"] == {"clip_value": 0.5}
+    wrappers = wrap_optimizers(_optimizers(optim), optim, "fp32", "cpu")
+    assert wrappers["generator"].clip_grad == {"clip_value": 0.5}
+    assert wrappers["discriminator"].clip_grad == {"clip_value": 0.1, "foreach": False}
+    one = OmegaConf.to_container(load(tmp_path, overrides=["optim.clip_grad.clip_value=2"]).optim)
+    assert one["clip_grad"] == {"clip_value": 2}
+
+
+def test_clip_grad_by_value_is_refused_under_deepspeed_at_config_time(tmp_path):
+    """DeepSpeed's engine clips the total norm only (gradient_clipping)."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits_deepspeed_zero2.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(config), ["optim.clip_grad.clip_value=0.5"],
+                    values={"work_dir": str(tmp_path / "run")})
+    assert str(caught.value).startswith(
+        "optim.clip_grad: got {'clip_value': 0.5}, expected null, a number > 0 or "
+        "{max_norm: ...} with strategy 'deepspeed'"), caught.value
+    assert not (tmp_path / "run").exists()
+    norm = load_config(str(config), ["optim.clip_grad=0.5"],  # by norm it takes
+                       values={"work_dir": str(tmp_path / "run")})
+    assert norm.optim.clip_grad.max_norm == 0.5
 
 
 def test_per_module_may_change_the_optimiser_type(tmp_path):

@@ -199,6 +199,42 @@ def test_clip_grad(clip_grad, norm, scale):
     assert p.tolist() == pytest.approx([-30.0 * scale, -40.0 * scale, 0.0], rel=1e-5)
 
 
+def test_clip_grad_by_value_steps_as_torchs_clip_grad_value():
+    """Steps of a wrapper clipping by value against hand-made ones: backward, torch's
+    clip_grad_value_, step; the same parameters to the bit."""
+    torch.manual_seed(0)
+    model, reference = ToyModel(dropout=0.0), ToyModel(dropout=0.0)
+    reference.load_state_dict(model.state_dict())
+    wrapper = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                           clip_grad={"clip_value": 0.05})
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        batch = batch_of(step)
+        with wrapper.optim_context(model):
+            loss = model(batch)["loss"]
+        wrapper.update_params(loss)
+        reference(batch)["loss"].backward()
+        raw = flat_grads(reference)
+        nn.utils.clip_grad_value_(reference.parameters(), clip_value=0.05)
+        clipped = flat_grads(reference)
+        assert raw.abs().max() > 0.05 and clipped.abs().max() == 0.05  # clipping bit
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(flat_params(model), flat_params(reference)), step
+
+
+def test_clip_grad_by_value_measures_the_norm_before_clipping_on_request_only():
+    p, wrapper = _one_param_step({"clip_grad": {"clip_value": 35.0}}, [30.0, 40.0, -50.0])
+    assert p.tolist() == [-30.0, -35.0, 35.0]  # each value clipped to [-35, 35]
+    assert wrapper.grad_norm is None  # no norm to clip: none measured
+    p = nn.Parameter(torch.zeros(3))
+    wrapper = OptimWrapper(torch.optim.SGD([p], lr=1.0), clip_grad={"clip_value": 35.0})
+    measure_grad_norm(wrapper, True)  # what the logger asks on the steps it logs
+    wrapper.update_params((p * torch.tensor([30.0, 40.0, 0.0])).sum())
+    assert grad_norms(wrapper)["grad_norm"].item() == pytest.approx(50.0)  # not 46.1 (clipped)
+    assert p.tolist() == [-30.0, -35.0, 0.0]
+
+
 def test_no_clipping_by_default():
     p, wrapper = _one_param_step({}, [30.0, 40.0, 0.0])
     assert wrapper.grad_norm is None and p.tolist() == [-30.0, -40.0, 0.0]
@@ -253,6 +289,15 @@ def test_fp16_scales_the_loss_and_unscales_before_clipping_and_stepping():
     assert wrapper.grad_norm.item() == pytest.approx(50.0)  # the true norm, not a scaled one
     assert p.tolist() == pytest.approx([-0.5 * 3.0, -0.5 * 4.0, 0.0], rel=1e-4)
     assert wrapper.scaler.get_scale() == 2.0 ** 16  # a good step keeps the scale
+
+
+def test_fp16_unscales_before_clipping_by_value():
+    """Clipped while scaled (by 2**16), every value would be cut to the bound and then
+    divided by the scale."""
+    p, wrapper = _one_param_step({"precision": "fp16", "clip_grad": {"clip_value": 35.0}},
+                                 [30.0, 40.0, 0.0])
+    assert p.tolist() == pytest.approx([-30.0, -35.0, 0.0], rel=1e-4)
+    assert wrapper.scaler.get_scale() == 2.0 ** 16
 
 
 def test_fp16_skips_a_step_with_infinite_gradients_and_backs_off():

@@ -165,10 +165,12 @@ def test_every_option_trains(run_on, tmp_path, options):
         assert abs(a - b) <= tolerance * abs(a), (step, a, b)
 
 
-def test_accumulation_and_clipping_match_ddp(run_on, tmp_path):
+@pytest.mark.parametrize("clip_grad", [{"max_norm": 0.5}, {"clip_value": 0.05}],
+                         ids=["norm", "value"])
+def test_accumulation_and_clipping_match_ddp(run_on, tmp_path, clip_grad):
     """Micro-steps that do not step skip the reduce-scatter (no_sync); clipping sees the
-    norm over every rank's shards."""
-    optim = {"type": "AdamW", "lr": 0.01, "accumulate": 2, "clip_grad": {"max_norm": 0.5}}
+    norm over every rank's shards, or clips each value of each shard."""
+    optim = {"type": "AdamW", "lr": 0.01, "accumulate": 2, "clip_grad": clip_grad}
     run_on(2)(_train_body, str(tmp_path / "ddp"), "ddp", 10, optim)
     run_on(2)(_train_body, str(tmp_path / "fsdp"), "fsdp", 10, optim)
     ddp, fsdp = loss_list(tmp_path / "ddp"), loss_list(tmp_path / "fsdp")

@@ -28,7 +28,7 @@ from trainrun.runner.optim.factory import optimizer_arguments
 from trainrun.runner.optim.param_groups import CUSTOM_KEY_OPTIONS, PARAMWISE
 from trainrun.runner.optim.schedulers import _TYPE as SCHEDULER_TYPE
 from trainrun.runner.optim.schedulers import SCHEDULER_OPTIONS
-from trainrun.runner.optim.section import CLIP_GRAD_KEYS, optim_table
+from trainrun.runner.optim.section import CLIP_GRAD_KEYS, CLIP_VALUE_KEYS, optim_table
 from trainrun.runner.preemption import PREEMPTION_KEYS
 from trainrun.runner.schema import OPTIONAL, REQUIRED, Fields, expected_of
 from trainrun.runner.seed import RANDOMNESS_KEYS
@@ -251,8 +251,12 @@ def optim_sections() -> list[Section]:
                 f"against its signature; for the default, torch.optim.{DEFAULT_OPTIMISER}:",
                 extra),
         Section(anchor("optim", "clip_grad"), "optim.clip_grad",
-                "`clip_grad: 1.0` is short for `{max_norm: 1.0}`.",
-                table_entries("optim.clip_grad", CLIP_GRAD_KEYS)),
+                "Either `max_norm` (clip the total norm; `clip_grad: 1.0` is short for "
+                "`{max_norm: 1.0}`) or `clip_value` (clip each gradient value; with `foreach` "
+                "at most). Under fp16 the gradients are unscaled first; the logged `grad_norm` "
+                "is the norm before clipping.",
+                table_entries("optim.clip_grad", CLIP_GRAD_KEYS)
+                + table_entries("optim.clip_grad", {"clip_value": CLIP_VALUE_KEYS["clip_value"]})),
         Section(anchor("optim", "paramwise"), "optim.paramwise",
                 "Learning rate and weight decay per parameter, as multipliers of `optim.lr` "
                 "and `optim.weight_decay`; parameters with the same rates share a group.",

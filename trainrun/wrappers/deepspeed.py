@@ -79,6 +79,11 @@ def _max_norm(clip_grad: Any) -> float | None:
         return None
     if isinstance(clip_grad, (int, float)):
         return float(clip_grad)
+    if "clip_value" in clip_grad:
+        raise ValueError(f"optim.clip_grad: got {dict(clip_grad)!r}, expected null, a number "
+                         "> 0 or {max_norm: ...} with strategy 'deepspeed' (its engine clips "
+                         "the total norm only, as gradient_clipping; the other strategies "
+                         "clip by value too)")
     norm_type = float(clip_grad.get("norm_type", 2.0))
     if norm_type != 2.0:
         raise ValueError(f"optim.clip_grad.norm_type={norm_type:g}: DeepSpeed clips only the "
@@ -480,8 +485,9 @@ class DeepSpeedStrategy(Strategy):
     ``strategy.type: deepspeed``. The DeepSpeed config is built from the run's own keys
     (per-rank batch size, ``optim.accumulate``, ``optim.clip_grad``, ``precision``) and these
     options; a setting given both ways with different values is refused, naming both places.
-    It takes one optimiser (not ``optim.per_module``); ``compile`` works under ZeRO stages
-    0-2 only, and checkpoints are written synchronously (no ``checkpoint.async``).
+    It takes one optimiser (not ``optim.per_module``) and clips the total gradient norm only
+    (not ``optim.clip_grad.clip_value``); ``compile`` works under ZeRO stages 0-2 only, and
+    checkpoints are written synchronously (no ``checkpoint.async``).
     Checkpoints are DeepSpeed's own directories, written and read by every rank.
 
     Args:

@@ -1,8 +1,9 @@
 """``mmengine.dataset``: ``DefaultSampler``, ``InfiniteSampler`` and the collate functions.
 
 ``DefaultSampler`` is trainrun's resumable sampler, which deals an epoch exactly as MMEngine's
-does (a permutation seeded with seed + epoch, padded by repeating it, rank r taking every
-N-th index from r), so a script's runs see the batches they saw under MMEngine.
+does (a permutation seeded with seed + epoch, padded by repeating it unless ``round_up`` is
+False, rank r taking every N-th index from r), so a script's runs see the batches they saw
+under MMEngine.
 """
 
 from __future__ import annotations
@@ -21,24 +22,35 @@ from trainrun.runner.sampler import ResumableSampler
 class DefaultSampler(ResumableSampler):
     """Each rank's share of a sized data set, a new order every epoch.
 
+    With ``round_up=False`` rank r takes every N-th index of the order from r and nothing
+    more, as MMEngine's does: ``len(range(r, len(dataset), N))`` samples, so the ranks' shares
+    differ by one where the world size does not divide the data set, and every sample is
+    scored once. The compat Runner takes it for validation and test data only (ranks with
+    different numbers of batches would leave DDP waiting in training).
+
     Args:
         dataset: the data set (its length is what is dealt).
         shuffle: a new permutation every epoch; False: in order.
         seed: the permutations' seed; None: one drawn on rank 0 and shared.
         round_up: pad the last round to a whole multiple of the world size (MMEngine's
-            default); False is refused.
-
-    Raises:
-        ValueError: ``round_up`` is False.
+            default), repeating the order's first indices; False: no padding.
     """
 
     def __init__(self, dataset: Any, shuffle: bool = True, seed: int | None = None,
                  round_up: bool = True) -> None:
-        if not round_up:
-            raise ValueError("DefaultSampler: round_up=False is not supported by "
-                             "trainrun.compat.mmengine")
         super().__init__(len(dataset), shuffle=shuffle,
                          seed=sync_random_seed() if seed is None else seed)
+        self.round_up = round_up
+
+    def __len__(self) -> int:
+        if self.round_up:
+            return super().__len__()
+        return len(range(self.rank, self._remaining(), self.num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        if self.round_up:
+            return super().__iter__()  # type: ignore[return-value]
+        return iter(self.epoch_order()[self.cursor:][self.rank::self.num_replicas])
 
 
 class InfiniteSampler(ResumableSampler):

@@ -21,7 +21,6 @@ from trainrun.runner.schema import (
     bad_value,
     check_bool,
     choice,
-    expected_of,
     expects,
     integer,
     join,
@@ -40,24 +39,45 @@ CLIP_GRAD_KEYS = {
     "norm_type": (2.0, rule("a number", is_number), "which norm (2: Euclidean; inf: max)"),
     "error_if_nonfinite": (OPTIONAL, check_bool,
                            "raise when the norm is nan or inf (torch's clip_grad_norm_)"),
-    "foreach": (OPTIONAL, nullable(check_bool), "torch's clip_grad_norm_ foreach option"),
+    "foreach": (OPTIONAL, nullable(check_bool),
+                "torch's clip_grad_norm_ (clip_grad_value_) foreach option"),
 }
-check_clip_grad_options = expects("null, a number > 0 or {max_norm: ..., norm_type: ...}",
-                                  section(CLIP_GRAD_KEYS))
+# the other form: each gradient value clipped, as torch's clip_grad_value_ does
+CLIP_VALUE_KEYS = {
+    "clip_value": (REQUIRED, number(above=0),
+                   "instead of max_norm: clip each gradient value to [-clip_value, clip_value] "
+                   "(torch's clip_grad_value_; not with strategy deepspeed)"),
+    "foreach": CLIP_GRAD_KEYS["foreach"],
+}
+CLIP_GRAD_EXPECTED = ("null, a number > 0, {max_norm: ..., norm_type: ...} or "
+                      "{clip_value: ...}")
+check_clip_norm_options = section(CLIP_GRAD_KEYS)
+check_clip_value_options = section(CLIP_VALUE_KEYS)
 
 
 def check_clip_grad(key: str, value: Any) -> dict[str, Any] | None:
-    """null, or {max_norm, norm_type, ...}; a plain number is the max norm."""
+    """null, {max_norm, norm_type, ...} (a plain number is the max norm) or {clip_value, ...}:
+    clip the total norm, or each value."""
     if value is None:
         return None
     if is_number(value):
         value = {"max_norm": value}
     if not isinstance(value, Mapping):
-        raise bad_value(key, value, expected_of(check_clip_grad_options))
-    return check_clip_grad_options(key, value)
+        raise bad_value(key, value, CLIP_GRAD_EXPECTED)
+    if "clip_value" in value and "max_norm" in value:
+        raise bad_value(key, dict(value), "max_norm (clip the norm) or clip_value (clip each "
+                                          "value), not both")
+    if "clip_value" in value:
+        return check_clip_value_options(key, value)
+    if "max_norm" not in value:  # neither form named: a misspelt key may mean either
+        known = {**CLIP_GRAD_KEYS, **CLIP_VALUE_KEYS}
+        for name in value:
+            if name not in known:
+                raise unknown_key(key, name, known)
+    return check_clip_norm_options(key, value)
 
 
-check_clip_grad.expected = expected_of(check_clip_grad_options)  # type: ignore[attr-defined]
+check_clip_grad.expected = CLIP_GRAD_EXPECTED  # type: ignore[attr-defined]
 
 
 def optim_table(kind: str, arguments: set[str] | None) -> Fields:
@@ -77,8 +97,8 @@ def optim_table(kind: str, arguments: set[str] | None) -> Fields:
     # existed still matches on resume
     table.update(
         clip_grad=(None, check_clip_grad,
-                   "clip the total gradient norm before each step: null (no clipping), the "
-                   "max norm, or {max_norm, norm_type}"),
+                   "clip the gradients before each step: null (no clipping), the max total "
+                   "norm, {max_norm, norm_type} or each value's bound {clip_value}"),
         accumulate=(1, integer(1),
                     "accumulate the gradients of this many iterations before each step"),
         paramwise=(OPTIONAL, paramwise,

@@ -22,8 +22,8 @@ PRECISIONS = tuple(DTYPES)  # the names of `precision`
 
 class OptimWrapper:
     """One optimiser with accumulation over ``accumulate`` micro-steps, clipping to
-    ``clip_grad`` (a max norm, or ``{'max_norm': ..., 'norm_type': ...}``) and autocast in
-    ``precision`` (fp16 with a gradient scaler).
+    ``clip_grad`` (a max norm, ``{'max_norm': ..., 'norm_type': ...}`` or
+    ``{'clip_value': ...}``) and autocast in ``precision`` (fp16 with a gradient scaler).
 
     A model's ``train_step`` uses two methods, so that the same code runs under every
     strategy and setting::
@@ -41,19 +41,21 @@ class OptimWrapper:
     Attributes:
         optimizer: the torch optimiser.
         grad_norm: after a micro-step that stepped the optimiser, the total norm of the
-            gradients it applied, before clipping (a tensor), when clipping is on or
+            gradients it applied, before clipping (a tensor), when clipping the norm or when
             ``measure_grad_norm`` was set (the logger sets it for the steps it logs: without
-            clipping the norm costs one more pass over the gradients); None after any other
-            micro-step.
+            clipping by norm the norm costs one more pass over the gradients); None after any
+            other micro-step.
         measure_grad_norm: have the next steps measure ``grad_norm`` even without clipping.
 
     Args:
         optimizer: the torch optimiser to step.
         accumulate: the micro-steps (batches) whose gradients make one optimiser step; each
             micro-step's loss is divided by it.
-        clip_grad: clip the total gradient norm before each step: None (no clipping), the
-            max norm, or ``{'max_norm': ..., 'norm_type': ...}`` (the keyword arguments of
-            ``torch.nn.utils.clip_grad_norm_``).
+        clip_grad: clip the gradients before each step: None (no clipping); the max total
+            norm, or ``{'max_norm': ..., 'norm_type': ...}`` (the keyword arguments of
+            ``torch.nn.utils.clip_grad_norm_``); or ``{'clip_value': ...}`` (those of
+            ``torch.nn.utils.clip_grad_value_``: each value clipped to
+            ``[-clip_value, clip_value]``).
         precision: ``'fp32'``, ``'bf16'`` or ``'fp16'``: the autocast of the forward (fp16
             with a gradient scaler).
         device_type: the device type autocast and the scaler work on (``'cuda'``, ``'cpu'``).
@@ -154,16 +156,21 @@ class OptimWrapper:
 
     def step(self) -> None:
         """Step the optimiser on the gradients there are: unscaled first under fp16, clipped
-        to ``clip_grad`` (measuring ``grad_norm``) where that is set; it does not zero them."""
+        to ``clip_grad`` where that is set (measuring ``grad_norm`` first); it does not zero
+        them."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        by_norm = bool(self.clip_grad) and "clip_value" not in self.clip_grad
         if self.clip_grad or self.measure_grad_norm:
             params = [p for group in self.optimizer.param_groups for p in group["params"]
                       if p.grad is not None]
-            if self.clip_grad:  # it returns the norm before clipping
+            if by_norm:  # it returns the norm before clipping
                 self.grad_norm = nn.utils.clip_grad_norm_(params, **self.clip_grad)
             else:
-                self.grad_norm = nn.utils.get_total_norm([p.grad for p in params])
+                if self.measure_grad_norm:
+                    self.grad_norm = nn.utils.get_total_norm([p.grad for p in params])
+                if self.clip_grad:
+                    nn.utils.clip_grad_value_(params, **self.clip_grad)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -106,6 +106,28 @@ def collate_function(key: str, value: Any) -> Callable:
     raise refused(key, value, "give a function or dict(type=<function name>)")
 
 
+def check_shares(key: str, loader: DataLoader | None, strategy: str) -> None:
+    """Refuse a ``DefaultSampler(round_up=False)`` where ranks with unequal shares would
+    wait for each other: in training (a rank with one batch fewer leaves DDP's all-reduce
+    waiting; MMEngine's loop does not guard against it either), and for validation or test
+    data under a ``strategy`` other than ddp, whose forward needs every rank (fsdp gathers
+    the sharded parameters; DeepSpeed's engine may)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DefaultSampler) or sampler.round_up:
+        return
+    if key == "train_dataloader":
+        raise refused(f"{key}.sampler.round_up", False,
+                      "ranks whose shares differ by a sample can train different numbers of "
+                      "batches, which leaves DDP waiting; use round_up=False for "
+                      "val_dataloader and test_dataloader")
+    if strategy != "ddp":
+        raise refused(f"{key}.sampler.round_up", False,
+                      f"under trainrun's {strategy} strategy every forward needs every rank, "
+                      "and ranks with unequal shares can run different numbers of batches; "
+                      "use round_up=True (the padding is cut before the metrics) or "
+                      "DDPStrategy")
+
+
 class SyncedSeeds:
     """The seeds MMEngine gives samplers without one under ``diff_rank_seed``: its
     ``sync_random_seed()``, a draw from numpy's global generator on every rank (rank 0's
@@ -211,10 +233,7 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
     section: dict[str, Any] = {**optimizer, "type": type_name(optimizer["type"])}
     clip = cfg.get("clip_grad")
     if clip is not None:
-        clip = dict(clip)
-        if clip.pop("type", "norm") != "norm":
-            raise refused("optim_wrapper.clip_grad.type", "value", "trainrun clips the norm")
-        section["clip_grad"] = clip
+        section["clip_grad"] = clip_grad_section(clip)
     section["accumulate"] = cfg.get("accumulative_counts", 1)
     if cfg.get("paramwise_cfg"):
         paramwise = dict(cfg["paramwise_cfg"])
@@ -222,6 +241,30 @@ def optim_section(cfg: Any) -> tuple[dict[str, Any] | None, str]:
              {"norm_decay_mult", "bias_decay_mult", "custom_keys"})
         section["paramwise"] = paramwise
     return section, precision
+
+
+def clip_grad_section(cfg: Any) -> dict[str, Any]:
+    """trainrun's ``optim.clip_grad`` from MMEngine's ``optim_wrapper.clip_grad``: the
+    keyword arguments of ``clip_grad_norm_`` (type 'norm', the default) or of
+    ``clip_grad_value_`` (type 'value'), which trainrun tells apart by ``max_norm`` or
+    ``clip_value``."""
+    if not isinstance(cfg, Mapping):
+        raise refused("optim_wrapper.clip_grad", cfg, "give a dict")
+    clip = dict(cfg)
+    kind = clip.pop("type", "norm")
+    if kind == "value":
+        only("optim_wrapper.clip_grad", clip, {"clip_value", "foreach"})
+        if "clip_value" not in clip:
+            raise ConfigError("optim_wrapper.clip_grad.clip_value: missing (type='value' "
+                              "clips each gradient value to [-clip_value, clip_value])")
+    elif kind == "norm":
+        if "clip_value" in clip:
+            raise refused("optim_wrapper.clip_grad.clip_value", clip["clip_value"],
+                          "type='norm' takes clip_grad_norm_'s arguments; clip by value with "
+                          "type='value'")
+    else:
+        raise refused("optim_wrapper.clip_grad.type", kind, "use 'norm' or 'value'")
+    return clip
 
 
 # ---------------------------------------------------------------- hooks
@@ -476,6 +519,9 @@ def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
                                 schedule.get("max_iters") if schedule else None,
                                 synced)
     optim, wrapper_precision = optim_section(given["optim_wrapper"])
+    if strategy["type"] == "deepspeed" and "clip_value" in ((optim or {}).get("clip_grad") or {}):
+        raise refused("optim_wrapper.clip_grad.type", "value",
+                      "DeepSpeedStrategy clips the total norm only (its gradient_clipping)")
     scheduler = None
     if train_loader is not None and given["param_scheduler"] is not None:
         scheduler = scheduler_factory(given["param_scheduler"],
@@ -486,6 +532,9 @@ def runner_arguments(strategy: Mapping[str, Any], precision: str | None,
     run_dir = MMEngineRunDir(given["work_dir"])
     val_loader = build_loader("val_dataloader", given["val_dataloader"], own, None, synced)
     test_loader = build_loader("test_dataloader", given["test_dataloader"], own, None, synced)
+    for key, loader in (("train_dataloader", train_loader), ("val_dataloader", val_loader),
+                        ("test_dataloader", test_loader)):
+        check_shares(key, loader, strategy["type"])
     val_metrics = evaluator_metrics("val_evaluator", given["val_evaluator"], val_loader)
     test_metrics = evaluator_metrics("test_evaluator", given["test_evaluator"], test_loader)
     return dict(
