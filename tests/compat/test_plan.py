@@ -106,7 +106,7 @@ def test_the_plan_says_what_the_compat_runner_would_run_and_writes_nothing(confi
                  "train data PlanBlobs, 64 samples, batch 8 per process, DefaultSampler "
                  "shuffled",
                  "val metrics PlanAccuracy",
-                 "checkpoints interval=1",
+                 "checkpoint interval=1",
                  "start fresh",
                  "work_dir work_dirs/tiny (MMEngine's layout"):
         assert f"\n{line}" in out, line

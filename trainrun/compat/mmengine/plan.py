@@ -123,7 +123,7 @@ def describe(cfg: Mapping[str, Any], source: str) -> str:
         ("val data", _loader(runner_kwargs["val_dataloader"])),
         ("test data", _loader(runner_kwargs["test_dataloader"])),
         ("val metrics", ", ".join(_name(m) for m in runner_kwargs["val_metrics"] or []) or "-"),
-        ("checkpoints", _options(runner_kwargs["checkpoint"])),
+        ("checkpoint", _options(runner_kwargs["checkpoint"])),
         ("logging", _options(runner_kwargs["logging"]) if runner_kwargs["logging"]
          else "trainrun's defaults"),
         ("custom hooks", ", ".join(_name(h) for h in given["custom_hooks"] or []) or "-"),
