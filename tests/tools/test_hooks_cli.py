@@ -98,9 +98,9 @@ def test_sigkill_and_resume_stop_at_the_same_step_with_the_same_losses(hooks_run
 
 
 def test_the_dry_run_lists_the_hooks_in_the_order_they_run(capsys, clean_env):
-    code = train_main([str(CONFIG), "--dry-run", "--launcher", "none", "--cfg-options",
-                       f"hooks=[{PROFILER}, {{type: EarlyStopping, metric: accuracy, "
-                       f"priority: before_validation}}]"])
+    code = train_main([str(CONFIG), "--dry-run", "--launcher", "none", "--world-size", "2",
+                       "--cfg-options", f"hooks=[{PROFILER}, {{type: EarlyStopping, "
+                       f"metric: accuracy, priority: before_validation}}]"])
     out = capsys.readouterr().out
     assert code == 0
     (line,) = [line for line in out.splitlines() if line.strip().startswith("hooks")]
@@ -109,3 +109,45 @@ def test_the_dry_run_lists_the_hooks_in_the_order_they_run(capsys, clean_env):
         "min_delta=0.0) [39], validation [40], checkpoint [60], preemption [70], Profiler "
         "(wait=1, warmup=1, active=2, repeat=1, ranks=[0, 1], record_shapes=false, "
         "profile_memory=false, with_stack=false) [80]")
+
+
+# what only building the hooks tells: the run and its dry run refuse each the same way
+BUILT_REFUSALS = [
+    (["hooks=[{type: EarlyStopping, metric: acuracy}]"],
+     "error: hooks[0].metric: got 'acuracy', expected one of the validation metrics: "
+     "accuracy; did you mean 'accuracy'?"),
+    (["hooks=[{type: EarlyStopping, metric: accuracy}]", "data.val=null"],
+     "error: hooks[0].metric: 'accuracy' is a validation metric, and this run has no "
+     "validation (data.val is null)"),
+    (["hooks=[{type: Profiler}, {type: Profiler, ranks: [0, 2]}]"],
+     "error: hooks[1].ranks: got [0, 2], expected ranks below the world size (1): no rank 2"),
+    (["hooks=[{type: tests.tools.models.CountingHook, weight: 0}]"],
+     "error: hooks[0].weight: got 0, expected an int >= 1"),  # the constructor's ValueError
+]
+
+
+@pytest.mark.parametrize(("options", "line"), BUILT_REFUSALS)
+def test_the_dry_run_refuses_what_building_the_hooks_refuses_in_the_same_line(
+        tmp_path, capfd, clean_env, options, line):
+    work_dir = tmp_path / "run"
+    for dry_run in (["--dry-run"], []):
+        code = train_main([str(CONFIG), "--launcher", "none", "--work-dir", str(work_dir),
+                           *dry_run, "--cfg-options", *options])
+        err = capfd.readouterr().err
+        assert code == 2, err
+        assert err.strip().splitlines() == [line], err
+        assert not work_dir.exists()
+
+
+def test_the_dry_run_leaves_to_the_run_what_it_cannot_know(capfd, clean_env):
+    """Profiler ranks beyond a world size the launcher's variables do not give (not started
+    by torchrun): planned; with --world-size the ranks are checked against it."""
+    options = ["--cfg-options", "hooks=[{type: Profiler, ranks: [0, 1]}]"]
+    assert train_main([str(CONFIG), "--dry-run", "--launcher", "pytorch", *options]) == 0
+    assert train_main([str(CONFIG), "--dry-run", "--launcher", "pytorch", "--world-size", "2",
+                       *options]) == 0
+    capfd.readouterr()
+    assert train_main([str(CONFIG), "--dry-run", "--launcher", "pytorch", "--world-size", "1",
+                       *options]) == 2
+    assert capfd.readouterr().err.strip() == (
+        "error: hooks[0].ranks: got [0, 1], expected ranks below the world size (1): no rank 1")

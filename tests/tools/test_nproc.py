@@ -96,7 +96,7 @@ def test_nproc_trains_on_that_many_workers_importing_from_the_working_directory(
 @pytest.mark.parametrize(("options", "code", "last"), [
     (["model.type=tests.tools.models.FailingDigitsMLP", "model.fail_at=3",
       "model.fail_rank=1"], 1, r"rank 1, step 3: RuntimeError: injected failure \(pid \d+\)"),
-    (["hooks=[{type: EarlyStopping, metric: acuracy}]"], 2,  # found only once built
+    (["hooks=[{type: EarlyStopping, metric: acuracy}]"], 2,  # by building the hooks: no worker
      re.escape("error: hooks[0].metric: got 'acuracy', expected one of the validation "
                "metrics: accuracy; did you mean 'accuracy'?")),
 ], ids=["failure", "config"])

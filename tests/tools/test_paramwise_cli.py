@@ -1,18 +1,20 @@
 """optim.paramwise through the command line, as a user runs it: a bad value of every key
 (exit 2, the key named, nothing written), the groups in the dry run's plan, the warning for a
 custom key matching nothing (said once on 2 processes), and an exact resume after SIGKILL on 2
-processes with the groups in the checkpoint."""
+processes with the groups in the checkpoint, and a resume whose groups differ from the
+checkpoint's refused before anything is written."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.cli import CONFIG, env
+from tests.cli import CONFIG, SHORT, env
 from tests.records import train_records
 from trainrun.cli import verify_resume as vr
 from trainrun.cli.train import main as train_main
@@ -115,23 +117,25 @@ def test_digits_with_groups_and_a_schedule_resume_exactly_after_sigkill(child_en
     assert [step for step, _ in lrs["straight"]] == list(range(1, 9))
 
 
-def test_resuming_with_other_groups_is_refused_in_one_line(tmp_path, capfd):
+def test_resuming_with_other_groups_is_refused_in_one_line_before_anything_is_written(
+        digits_run, tmp_path, capfd):
     """--force accepts the changed config, but the checkpoint's optimiser state has one group
-    where the new groups are two: exit 2 saying so (and what can start from it), no
-    traceback."""
-    single = CONFIG.parent / "digits_single.yaml"
-    work_dir = str(tmp_path / "run")
-    assert train_main([str(single), "--work-dir", work_dir, "--cfg-options",
-                       "schedule.max_epochs=1"]) == 0
-    capfd.readouterr()
-    code = train_main([str(single), "--work-dir", work_dir, "--resume", "--force",
-                       "--cfg-options", "schedule.max_epochs=2",
+    where the new groups are two: exit 2 naming both and what to do, no traceback, and the
+    run directory (a copy of the shared 2-process run) left as it was."""
+    work_dir = tmp_path / "run"
+    shutil.copytree(digits_run[0], work_dir)
+    before = {p: p.read_bytes() for p in work_dir.rglob("*") if p.is_file()}
+    code = train_main([str(CONFIG), "--launcher", "none", "--work-dir", str(work_dir),
+                       "--resume", "--force", "--cfg-options", *SHORT,
                        "optim.paramwise={bias_decay_mult: 0}"])
     err = capfd.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err
+    checkpoint = work_dir / "checkpoints" / "epoch_2.pth"
     assert err.strip().splitlines()[-1] == (
-        f"error: resume: {work_dir}/checkpoints/epoch_1.pth: its optimiser state does not fit "
-        f"this run's optimiser (loaded state dict has a different number of parameter groups): "
-        f"optim.paramwise or optim.type changed since it was written; its weights alone can "
-        f"start a run (load_from)")
+        f"error: resume: {checkpoint}: its optimiser state holds 1 parameter group (all "
+        f"parameters: 4 tensors), this config makes 2 parameter groups (default: 2 tensors; "
+        f"bias: 2 tensors): optim.paramwise (or optim.per_module) changed since it was "
+        f"written; resume without that change, or start a new run from its weights alone "
+        f"(load_from: {checkpoint}, in another work_dir)")
+    assert {p: p.read_bytes() for p in work_dir.rglob("*") if p.is_file()} == before

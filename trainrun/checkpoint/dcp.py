@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from trainrun.checkpoint.format import CheckpointFormat
+from trainrun.checkpoint.optimizer_state import GroupRecord, Groups
 from trainrun.checkpoint.safe_load import load_torch_file
 from trainrun.checkpoint.train_state import TRAIN_STATE
 
@@ -83,6 +84,24 @@ def _check_shard_sizes(path: Path, metadata: Any) -> None:
         if file.stat().st_size < end:
             raise ValueError(f"{file} is truncated: {file.stat().st_size} bytes, the "
                              f"checkpoint's metadata records {end}")
+
+
+def _read_small_entries(path: Path, keys: list[str]) -> dict[str, Any]:
+    """The pickled (non-tensor) entries ``keys`` of the checkpoint directory ``path``, each
+    read with weights_only (DCP's own loading of them would not), in this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    found: dict[str, Any] = dict.fromkeys(keys)
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            found[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    with quiet_single_process():
+        dcp.load(dict.fromkeys(keys), checkpoint_id=str(path), no_dist=True,
+                 planner=SafePlanner(flatten_state_dict=False))
+    return found
 
 
 @contextmanager
@@ -150,3 +169,26 @@ class DCPDirectory(CheckpointFormat):
         return {key.removeprefix("model."): tuple(entry.size)
                 for key, entry in metadata.state_dict_metadata.items()
                 if key.startswith("model.") and hasattr(entry, "size")}
+
+    @classmethod
+    def param_groups(cls, path: Path) -> Groups | None:
+        """Counted from the metadata (DCP records each group's options as
+        ``optimizer.param_groups.<i>.<option>``), each group's name and parameters read from
+        the shards (a few small entries); where those cannot be read, the count alone."""
+        metadata = check_metadata(path)
+        prefix = "optimizer.param_groups."
+        entries = [key for key in metadata.state_dict_metadata if key.startswith(prefix)]
+        count = len({key[len(prefix):].partition(".")[0] for key in entries})
+        if not count:
+            return None
+        wanted = [key for key in entries if key.rpartition(".")[2] in ("name", "params")]
+        try:
+            found = _read_small_entries(path, wanted)
+        except Exception:  # the names are a courtesy: the count is what a resume checks
+            found = {}
+        groups = []
+        for index in range(count):
+            params = found.get(f"{prefix}{index}.params")
+            groups.append(GroupRecord(found.get(f"{prefix}{index}.name"),
+                                      len(params) if isinstance(params, list) else None))
+        return {"": groups}

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from trainrun.checkpoint.format import CheckpointFormat
+from trainrun.checkpoint.optimizer_state import GroupRecord, Groups, saved_groups
 from trainrun.checkpoint.safe_load import (
     load_mapped,
     load_torch_file,
@@ -172,13 +173,25 @@ class DeepSpeedDirectory(CheckpointFormat):
         return load_torch_file(path / TRAIN_STATE)
 
     @classmethod
+    def param_groups(cls, path: Path) -> Groups | None:
+        """From rank 0's model-states file (memory-mapped): under ZeRO 1-3 DeepSpeed records
+        the shapes of each group's trainable parameters (``param_shapes``, one entry per
+        group: the count is compared, not the tensors, frozen ones being left out); without
+        ZeRO the optimiser's own state is there. Names are not recorded."""
+        state = _model_states(path)
+        if isinstance(state.get("param_shapes"), list):
+            return {"": [GroupRecord(None, None) for _ in state["param_shapes"]]}
+        optimizer = state.get("optimizer")
+        found = saved_groups(optimizer)
+        return None if found is None else {
+            name: [GroupRecord(None, None) for _ in groups] for name, groups in found.items()}
+
+    @classmethod
     def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
         """Every parameter's and buffer's, read from rank 0's model-states file
         (memory-mapped: its tensors are not read). ZeRO-3 keeps empty placeholders in
         ``module``; the shapes DeepSpeed records are the whole ones."""
-        files = sorted((path / TAG).glob("*mp_rank_00_model_states.pt"))
-        with weights_only_loads(path):
-            state = load_mapped(files[0])
+        state = _model_states(path)
         shapes: dict[str, tuple[int, ...]] = {}
         for group in [*(state.get("param_shapes") or []),
                       state.get("frozen_param_shapes") or {}]:
@@ -190,3 +203,10 @@ class DeepSpeedDirectory(CheckpointFormat):
         shapes.update((name, tuple(module[name].shape))
                       for name in state.get("buffer_names") or [] if name in module)
         return shapes
+
+
+def _model_states(path: Path) -> dict[str, Any]:
+    """Rank 0's model-states file of the DeepSpeed checkpoint ``path``, memory-mapped."""
+    files = sorted((path / TAG).glob("*mp_rank_00_model_states.pt"))
+    with weights_only_loads(path):
+        return load_mapped(files[0])

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from trainrun.checkpoint.optimizer_state import Groups
 from trainrun.registry import FORMATS
 
 # The format a checkpoint that no other registered format owns is read in: one torch file.
@@ -29,7 +30,9 @@ class CheckpointFormat(ABC):
     Every method is a classmethod: a format holds no state. A new format implements ``owns``,
     ``look_inside``, ``read_state`` and ``model_shapes``; ``read_weights`` and
     ``read_train_state`` take their parts of ``read_state`` unless overridden (a format that
-    can read the weights alone, or the train state alone, does so more cheaply).
+    can read the weights alone, or the train state alone, does so more cheaply);
+    ``param_groups`` says nothing unless overridden (a resume then finds a mismatch of the
+    optimiser's groups only as it loads them).
 
     Attributes:
         name: the format's name, as it is registered in ``FORMATS`` and as
@@ -91,6 +94,21 @@ class CheckpointFormat(ABC):
         Returns:
             Each tensor's shape, by the plain model's keys.
         """
+
+    @classmethod
+    def param_groups(cls, path: Path) -> Groups | None:
+        """The parameter groups of the optimiser state in the checkpoint, from what the format
+        records about them (the state's tensors are not read): what a resume checks against
+        this run's optimiser before anything is written.
+
+        Args:
+            path: the checkpoint.
+
+        Returns:
+            Each optimiser's groups, by submodule ('' for one optimiser); None where the
+            checkpoint holds no optimiser state, or the format does not say.
+        """
+        return None
 
     @classmethod
     def read_weights(cls, path: Path) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from trainrun.checkpoint.format import CheckpointFormat
+from trainrun.checkpoint.optimizer_state import Groups, saved_groups
 from trainrun.checkpoint.safe_load import load_torch_file
 
 # Strings an MMEngine checkpoint's pickle holds: its top-level keys and meta's version field.
@@ -182,3 +183,8 @@ class MMEngineFile(CheckpointFormat):
     def model_shapes(cls, path: Path) -> dict[str, tuple[int, ...]]:
         weights = model_weights(path, load_mmengine_file(path, mmap=True))
         return {key: tuple(value.shape) for key, value in weights.items()}
+
+    @classmethod
+    def param_groups(cls, path: Path) -> Groups | None:
+        return saved_groups(optimizer_parts(load_mmengine_file(path, mmap=True)
+                                            .get("optimizer"))[0])

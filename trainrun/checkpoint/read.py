@@ -16,6 +16,7 @@ from torch import Tensor
 from trainrun.checkpoint.format import checkpoint_format
 from trainrun.checkpoint.manager import resolve_checkpoint
 from trainrun.checkpoint.manifest import verify_checkpoint
+from trainrun.checkpoint.optimizer_state import Groups
 
 
 def check_checkpoint_file(path: str | os.PathLike) -> Path:
@@ -39,6 +40,13 @@ def model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of the model's state in the checkpoint ``path``, plain keys,
     from what its format records about them (the tensors themselves are not read)."""
     return checkpoint_format(path).model_shapes(path)
+
+
+def saved_param_groups(path: Path) -> Groups | None:
+    """The parameter groups of the optimiser state in the checkpoint ``path``, from what its
+    format records about them (see `CheckpointFormat.param_groups`); None where it holds
+    none, or its format does not say."""
+    return checkpoint_format(path).param_groups(path)
 
 
 def read_train_state(path: str | os.PathLike) -> dict[str, Any]:

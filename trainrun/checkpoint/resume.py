@@ -17,7 +17,8 @@ from pathlib import Path
 from trainrun.checkpoint.format import is_checkpoint
 from trainrun.checkpoint.manager import checkpoints_in, newest_first, resolve_checkpoint
 from trainrun.checkpoint.manifest import DamagedCheckpoint, verify_checkpoint
-from trainrun.checkpoint.read import model_shapes
+from trainrun.checkpoint.optimizer_state import Groups, groups_mismatch
+from trainrun.checkpoint.read import model_shapes, saved_param_groups
 from trainrun.dist import broadcast_object_list, is_main_process
 from trainrun.messages import first_line
 
@@ -154,18 +155,24 @@ class StartPoint:
             self._intact.add(path)
         return path
 
-    def check_fits(self, start: Start | None, shapes: dict[str, tuple[int, ...]]) -> None:
+    def check_fits(self, start: Start | None, shapes: dict[str, tuple[int, ...]],
+                   groups: Groups | None = None) -> None:
         """Refuse a checkpoint to start from that another model wrote: a tensor missing, or of
         another shape, against ``shapes`` (the model's), read from the checkpoint's records
-        of its tensors.
+        of its tensors. A checkpoint to resume is also refused where its optimiser state
+        holds other parameter groups than ``groups`` (``optim.paramwise`` changed since it
+        was written), which loading it would find only once the run had begun.
 
         Args:
             start: what ``choose`` returned.
             shapes: the shape of every tensor of the model's state, by name.
+            groups: the parameter groups of this run's optimiser(s) (`optimizer_groups`);
+                None: no optimiser, nothing to check.
 
         Raises:
-            ValueError: ``refusal``, naming the first tensor that does not fit, or why the
-                checkpoint's records cannot be read.
+            ValueError: ``refusal``, naming the first tensor that does not fit, the groups
+                that differ (what the checkpoint holds, what this config makes, and what to
+                do), or why the checkpoint's records cannot be read.
         """
         if start is None:
             return
@@ -173,10 +180,17 @@ class StartPoint:
         key = "resume" if kind == "resume" else "load_from"
         try:
             mismatch = model_mismatch(shapes, model_shapes(path))
+            saved = saved_param_groups(path) if kind == "resume" and groups else None
         except (OSError, ValueError, pickle.UnpicklingError) as error:  # unreadable, or unsafe
             raise self.refusal(f"{key}: {first_line(error)}") from None
         if mismatch is not None:
             raise self.refusal(f"{key}: {path} was written by another model: {mismatch}")
+        differ = None if saved is None or groups is None else groups_mismatch(saved, groups)
+        if differ is not None:
+            raise self.refusal(
+                f"{key}: {path}: {differ}: optim.paramwise (or optim.per_module) changed "
+                f"since it was written; resume without that change, or start a new run "
+                f"from its weights alone (load_from: {path}, in another work_dir)")
 
 
 def _log_skipped(error: DamagedCheckpoint) -> None:

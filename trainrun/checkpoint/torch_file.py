@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from trainrun.checkpoint.format import CheckpointFormat
+from trainrun.checkpoint.optimizer_state import Groups, saved_groups
 from trainrun.checkpoint.safe_load import load_mapped, load_torch_file
 
 
@@ -40,3 +41,7 @@ class TorchFile(CheckpointFormat):
         model = state.get("model", state)
         return {key: tuple(value.shape) for key, value in model.items()
                 if isinstance(value, torch.Tensor)}
+
+    @classmethod
+    def param_groups(cls, path: Path) -> Groups | None:
+        return saved_groups(load_mapped(path).get("optimizer"))

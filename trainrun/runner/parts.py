@@ -30,7 +30,7 @@ from trainrun.runner.config import check_compile, strategy_options
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.hooks import CheckpointHook, Hook, LoggerHook, PreemptionHook, ValidationHook
 from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint_section
-from trainrun.runner.hooks.from_config import build_hook, hook_error, option_names
+from trainrun.runner.hooks.from_config import build_hook, check_built_hook
 from trainrun.runner.optim import build_scheduler, optimizer_factory, wrap_optimizers
 from trainrun.runner.schema import ConfigError
 from trainrun.runner.stream import is_sized, is_stream, stream_warnings
@@ -261,12 +261,7 @@ class PartBuilder:
                 warnings: list[str] = []
                 hook = build_hook(key, hook, warnings)
                 self._log_warnings(warnings)
-            check = getattr(hook, "check", None)  # (a hook need not derive from Hook)
-            try:
-                if check is not None:
-                    check(self.runner)
-            except ValueError as error:
-                raise hook_error(key, error, option_names(type(hook))) from None
+            check_built_hook(key, hook, self.runner)
             built.append(hook)
         return built
 

@@ -1,9 +1,10 @@
 """The plan ``--dry-run`` prints: who runs where, with what batch, for how many steps, the
 optimiser's parameter groups and each rank's memory.
 
-Everything comes from the validated config and the launcher's environment variables, and from
-the model built on the meta device (shapes without memory or weights); nothing is initialised
-and nothing is written. ``trainrun train CONFIG ... --dry-run`` (and ``trainrun plan``, the
+Everything comes from the validated config and the launcher's environment variables, from
+the model built on the meta device (shapes without memory or weights), and from the config's
+hooks built and checked against what the config says of the run; nothing is initialised and
+nothing is written. ``trainrun train CONFIG ... --dry-run`` (and ``trainrun plan``, the
 same) prints it: ``make_plan`` checks what the run would refuse, ``describe_plan`` writes
 the text.
 """
@@ -29,10 +30,10 @@ from trainrun.dist.launch import (
 )
 from trainrun.messages import first_line, show
 from trainrun.registry import STRATEGIES, resolve
-from trainrun.runner.builder import build_model, check_batches
+from trainrun.runner.builder import build_metrics, build_model, check_batches, data_sections
 from trainrun.runner.config import dataset_kwargs
 from trainrun.runner.hooks.base import SLOTS
-from trainrun.runner.hooks.from_config import planned_order
+from trainrun.runner.hooks.from_config import build_hook, check_built_hook, planned_order
 from trainrun.runner.optim.factory import (
     WRAPPER_KEYS,
     optimizer_factory,
@@ -109,6 +110,90 @@ def plan_param_groups(cfg: Mapping[str, Any], model: nn.Module | Exception | Non
     return lines, warnings
 
 
+# ---------------------------------------------------------------- the hooks' checks
+
+class NotPlanned(AttributeError):
+    """A part of the run that a dry run does not build (an AttributeError, so that
+    ``getattr(runner, name, default)`` takes the default)."""
+
+
+class _Unbuilt:
+    """A part of the run that exists (a validation loader) but is not built by a dry run:
+    any use of it is `NotPlanned`."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotPlanned(f"{self._what} is not built by a dry run")
+
+    def __len__(self) -> int:
+        raise NotPlanned(f"{self._what} is not built by a dry run")
+
+    def __iter__(self) -> Any:
+        raise NotPlanned(f"{self._what} is not built by a dry run")
+
+
+class PlannedRun:
+    """What a hook's ``check`` can know of the run from its config alone: the dry run's
+    stand-in for the built ``Runner``. It has ``cfg``, ``rank``, ``world_size`` (where the
+    launcher's variables or ``--nproc`` say it), ``val_dataloader`` (None without
+    validation, else a loader that is not built) and ``val_metrics`` (built from the config
+    where its metrics can be); anything else is `NotPlanned`, and a check that needs it is
+    left to the run.
+
+    Args:
+        cfg: the validated config, as plain containers.
+        world_size: the ranks planned for; None where unknown.
+        rank: this process's rank.
+    """
+
+    def __init__(self, cfg: Mapping[str, Any], world_size: int | None, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        if world_size is not None:
+            self.world_size = world_size
+        val = cfg["data"].get("val")
+        self.val_dataloader: Any = None if not val else (
+            {name: _Unbuilt(f"data.val.{name}") for name in val} if "type" not in val
+            else _Unbuilt("data.val"))
+        metrics = _planned_val_metrics(cfg)
+        if metrics is not None:
+            self.val_metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotPlanned(f"the run's {name} is not built by a dry run")
+
+
+def _planned_val_metrics(cfg: Mapping[str, Any]) -> Any:
+    """The validation metrics the runner builds from the config (a list; a dict of them by
+    set for several sets), or None where one cannot be built here."""
+    found: dict[str, list[Any]] = {}
+    try:
+        for key, section in data_sections({"val": cfg["data"].get("val")}):
+            found[key] = build_metrics(section, resolve("dataset", section["type"]), key)
+    except Exception:  # a plan reports what it cannot know, it does not fail
+        return None
+    if list(found) == ["data.val"]:
+        return found["data.val"]
+    return {key.removeprefix("data.val."): metrics for key, metrics in found.items()}
+
+
+def check_planned_hooks(cfg: Mapping[str, Any], run: PlannedRun) -> None:
+    """Build each hook of the config's ``hooks`` list and check it against ``run`` as the run
+    checks it once built (`Hook.check`), raising the same ConfigError; a check that needs a
+    part of the run the dry run does not build is left to the run. Nothing is started."""
+    for i, item in enumerate(cfg.get("hooks") or []):
+        key = f"hooks[{i}]"
+        hook = build_hook(key, item, [])  # the config's check already said its warnings
+        try:
+            check_built_hook(key, hook, run)
+        except ConfigError:
+            raise
+        except Exception:  # it needs what only the built run has: the run checks it
+            continue
+
+
 def plan_memory(cfg: Mapping[str, Any], world_size: int,
                 model: nn.Module | Exception | None = None) -> StateBytes | str:
     """The most bytes of parameters, gradients and optimiser state a rank of ``world_size``
@@ -181,9 +266,11 @@ class Plan:
 
 
 def make_plan(cfg: DictConfig, world_size: int | None = None) -> Plan:
-    """The dry run's checks on the built parts: a training set that leaves no batch, and
-    options the model (built on the meta device) refuses, raise ConfigError, as the run
-    would refuse them.
+    """The dry run's checks on the built parts: a training set that leaves no batch,
+    options the model (built on the meta device) refuses, and a hook's options that building
+    it, or its check against what the config says of the run, refuses (a Profiler's rank
+    beyond the world size, an EarlyStopping metric the validation metrics do not name), raise
+    ConfigError, as the run would refuse them.
 
     Args:
         cfg: the validated config.
@@ -196,7 +283,10 @@ def make_plan(cfg: DictConfig, world_size: int | None = None) -> Plan:
     Raises:
         ConfigError: what the run would refuse.
     """
-    world_size = world_size or env_world_size(cfg.launcher)[0]
+    known = world_size or (env_world_size(cfg.launcher)[0]
+                           if cfg.launcher not in WORLD_SIZE_VARS
+                           or announced_world_size(cfg.launcher) else None)
+    world_size = known or 1
     length, why = train_set_length(cfg)
     if length is not None:
         train = cfg.data.train
@@ -205,6 +295,7 @@ def make_plan(cfg: DictConfig, world_size: int | None = None) -> Plan:
     model = build_meta_model(plain)  # once, for the groups and the memory plan
     groups, warnings = plan_param_groups(plain, model)
     memory = plan_memory(plain, world_size, model)
+    check_planned_hooks(plain, PlannedRun(plain, known, env_rank(cfg.launcher)))
     return Plan(world_size, length, why, groups, memory, warnings)
 
 

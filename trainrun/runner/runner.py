@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainrun.checkpoint.manager import CheckpointManager, resolve_checkpoint
-from trainrun.checkpoint.optimizer_state import OptimizerMismatch
+from trainrun.checkpoint.optimizer_state import OptimizerMismatch, optimizer_groups
 from trainrun.checkpoint.read import read_train_state, read_weights
 from trainrun.checkpoint.resume import StartPoint
 from trainrun.checkpoint.train_state import HookStates
@@ -248,11 +248,11 @@ class Runner:
             checkpoint = build.checkpoint_section(checkpoint)
             self.checkpoints = CheckpointManager(self.run_dir.checkpoints, self.strategy,
                                                  max_keep=checkpoint["max_keep"])
-            # a damaged checkpoint, another model's, a hook's bad option or the logging's:
-            # refused before anything is written
+            # a damaged checkpoint, another model's, one holding other parameter groups, a hook's
+            # bad option or the logging's: refused before anything is written
             self._start = StartPoint(self.checkpoints.directory, refusal=ConfigError)
             self.start_from = self._start.choose(resume, load_from)
-            self._start.check_fits(self.start_from, shapes)
+            self._start.check_fits(self.start_from, shapes, optimizer_groups(self.optimizer))
             extra_hooks = build.extra_hooks(hooks)
             logging = build.section(check_logging, "logging", logging)
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made

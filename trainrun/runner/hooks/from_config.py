@@ -12,7 +12,8 @@ a built-in slot of `hooks.base` (timer, logger, validation, normal, checkpoint, 
 and wins over the class's own; the other keys are the hook's options. All of it is checked
 with the config (an option the class does not take, a value its table refuses), the rest when
 the run is built, before anything is written: the constructor's ValueError, and what
-`Hook.check` finds.
+`Hook.check` finds (the dry run builds the hooks too, and checks them against what the config
+says of the run: ``trainrun.runner.plan.check_planned_hooks``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,18 @@ def build_hook(key: str, item: Mapping[str, Any], warnings: list[str]) -> Hook:
     if "priority" in checked:
         hook.priority = priority_value(checked["priority"])
     return hook
+
+
+def check_built_hook(key: str, hook: Any, runner: Any) -> None:
+    """``hook.check(runner)``, where the hook has one (it need not derive from `Hook`); its
+    ValueError as a ConfigError naming the ``hooks`` item ``key`` (and its option where the
+    message begins with one)."""
+    check = getattr(hook, "check", None)
+    try:
+        if check is not None:
+            check(runner)
+    except ValueError as error:
+        raise hook_error(key, error, option_names(type(hook))) from None
 
 
 def planned_order(builtin: Sequence[tuple[str, int]],
