@@ -63,7 +63,7 @@ install_torch
 # the trackers' packages (wandb, mlflow-skinny) take about 30 s more; their tests run offline;
 # hf (transformers) is the Hugging Face example's, whose tests build GPT-2 without a download;
 # bench (MMEngine 0.10.7) is the oracle of trainrun.compat.mmengine's tests and the benches'
-say "pip install -e .[dev,mpi,wandb,mlflow,hf,docs,bench] (deepspeed, mpi4py, pytest, trackers, transformers, sphinx, mmengine, ...)"
-"$VENV/bin/pip" install -q -e ".[dev,mpi,wandb,mlflow,hf,docs,bench]"
+say "pip install -e .[dev,mpi,tensorboard,wandb,mlflow,hf,docs,bench] (deepspeed, mpi4py, pytest, trackers, transformers, sphinx, mmengine, ...)"
+"$VENV/bin/pip" install -q -e ".[dev,mpi,tensorboard,wandb,mlflow,hf,docs,bench]"
 echo "$fingerprint" > "$stamp"
 say "ready: $("$VENV/bin/python" -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"

@@ -609,15 +609,14 @@ def test_persistent_workers_with_workers(tmp_path):
     assert cfg.data.train.persistent_workers is True
 
 
-def test_missing_tensorboard_is_a_warning_not_an_error(tmp_path, monkeypatch):
+def test_missing_tensorboard_is_refused_as_wandb_and_mlflow_are(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
-    warnings: list[str] = []
-    cfg = load(tmp_path, overrides=["logging.backends=[console,tensorboard,console]"],
-               on_warning=warnings.append)
-    assert list(cfg.logging.backends) == ["console"]
-    assert len(warnings) == 1 and warnings[0].startswith("logging.backends: tensorboard")
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, overrides=["logging.backends=[console,tensorboard,console]"])
+    assert str(caught.value) == ("logging.backends[1]: got 'tensorboard', but tensorboard is "
+                                 "not installed; pip install trainrun[tensorboard]")
 
 
 @pytest.mark.parametrize("metric, rule", [("val_loss", "less"), ("accuracy", "greater"),

@@ -120,25 +120,26 @@ def test_mlflow_file_store_in_the_run_directory_holds_params_and_metrics(tracked
     assert [r.info.run_id for r in again] == [mlrun.info.run_id]
 
 
-def test_a_tracker_whose_package_is_missing_exits_2_before_anything_is_written(tmp_path):
-    """wandb hidden from the process (a sys.modules entry None: not importable, not found),
-    so that this runs whether it is installed or not."""
-    hide = ("import sys; sys.modules['wandb'] = None; from trainrun.cli.train import main; "
+@pytest.mark.parametrize("name", ["wandb", "tensorboard"])
+def test_a_tracker_whose_package_is_missing_exits_2_before_anything_is_written(tmp_path, name):
+    """The package hidden from the process (a sys.modules entry None: not importable, not
+    found), so that this runs whether it is installed or not; tensorboard is refused as
+    wandb is (it was once skipped with a warning, logging nothing there)."""
+    hide = (f"import sys; sys.modules[{name!r}] = None; from trainrun.cli.train import main; "
             "sys.exit(main())")
     for extra in ([], ["--dry-run"]):
         work_dir = tmp_path / f"run{len(extra)}"
         done = subprocess.run(
             [sys.executable, "-c", hide, str(SINGLE), "--work-dir", str(work_dir), *extra,
-             "--cfg-options", "logging.backends=[console,wandb]"],
+             "--cfg-options", f"logging.backends=[console,{name}]"],
             capture_output=True, text=True, timeout=120, env=env())
         assert done.returncode == 2, done.stderr[-2000:]
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        assert errors == ["error: logging.backends[1]: got 'wandb', but wandb is not "
-                          "installed; pip install trainrun[wandb]"], done.stderr
+        assert errors == [f"error: logging.backends[1]: got {name!r}, but {name} is not "
+                          f"installed; pip install trainrun[{name}]"], done.stderr
         assert "Traceback" not in done.stderr and not work_dir.exists()
 
 
-@pytest.mark.slow
 def test_plot_metrics_plots_a_step_metric(digits_run, tmp_path):
     work_dir, _ = digits_run
     assert NEW_FIELDS <= set(train_records(work_dir)[0])

@@ -30,7 +30,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -258,9 +258,53 @@ def exit_saying(message: str) -> NoReturn:
     os._exit(RANK_LOST_EXIT)
 
 
-def _end_process() -> None:
+LAST_WORDS_SECONDS = 10.0  # the most the last words may take before the process ends
+_last_words: list[Callable[[str], None]] = []
+
+
+def before_process_end(callback: Callable[[str], None]) -> Callable[[], None]:
+    """Have ``callback(message)`` run when the heartbeat ends this process because another
+    rank failed or went silent (``message`` says which, as a `PeerFailure` would): the main
+    thread, stuck in a collective, never gets an exception, so what must close (a tracker's
+    run) closes here, in the heartbeat's thread. No collectives, no waiting on other ranks:
+    all of them together get `LAST_WORDS_SECONDS`, then the process ends anyway.
+
+    Args:
+        callback: what to run, with the heartbeat's one-line reason.
+
+    Returns:
+        A function that takes ``callback`` off again (call it once it has nothing to close).
+    """
+    _last_words.append(callback)
+
+    def remove() -> None:
+        if callback in _last_words:
+            _last_words.remove(callback)
+    return remove
+
+
+def _say_last_words(message: str) -> None:
+    """Run every `before_process_end` callback (in a thread of its own, so that one that
+    hangs costs no more than `LAST_WORDS_SECONDS` in all); one that fails is logged."""
+    def run(callback: Callable[[str], None]) -> None:
+        try:
+            callback(message)
+        except Exception:
+            log.exception("%r failed as this rank stopped", callback)
+
+    deadline = time.monotonic() + LAST_WORDS_SECONDS
+    for callback in list(_last_words):
+        thread = threading.Thread(target=run, args=(callback,), daemon=True,
+                                  name="trainrun-last-words")
+        thread.start()
+        thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+def _end_process(message: str) -> None:
     """End this process now, from the heartbeat thread: the main thread may be stuck in a
-    collective that never returns, so no exception could reach it."""
+    collective that never returns, so no exception could reach it. The `before_process_end`
+    callbacks run first, with ``message``."""
+    _say_last_words(message)
     _flush_logs()
     os._exit(RANK_LOST_EXIT)
 
@@ -416,16 +460,17 @@ class Heartbeat:
         counted as told: the failing rank waits on the others' count."""
         if self.failing:
             return
-        self.conclude(*self.posted())
+        message, culprits = self.posted()
+        self.conclude(message, culprits)
         deadline = time.monotonic() + self.GRACE
         while time.monotonic() < deadline and not self.failing:
             time.sleep(0.05)
         if not self.failing:
-            _end_process()
+            _end_process(message)
 
     def _exit(self, message: str, culprits: list[int]) -> None:
         self.conclude(message, culprits)
-        _end_process()
+        _end_process(message)
 
     def conclude(self, message: str, culprits: list[int]) -> None:
         """Say why the job stops (on one rank: the lowest that is not a culprit), then count

@@ -46,7 +46,7 @@ from trainrun.runner.config import (
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.failures import failures_told, training_failures
 from trainrun.runner.hooks import Hook, IterTimerHook
-from trainrun.runner.hooks.logger import check_logging
+from trainrun.runner.hooks.logger import LoggerHook, check_logging
 from trainrun.runner.lock import RunDirectoryBusy, RunLock
 from trainrun.runner.logging import attach_log_file, log_restart, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
@@ -383,8 +383,10 @@ class Runner:
 
         Hooks run from ``before_run`` to ``after_run``; validation and checkpoints come from
         the built-in hooks. A failure is logged with the rank and the step, the other ranks
-        are told, and every hook's ``on_error`` runs before it is raised. Every rank must call
-        this.
+        are told, and every hook's ``on_error`` runs before it is raised. The trackers' runs
+        close last, with the run's outcome: finished once every ``after_run`` is done, failed
+        (or killed) by whatever exception ends the run, ``after_run``'s included. Every rank
+        must call this.
 
         Returns:
             The trained model, as the strategy wrapped it.
@@ -402,21 +404,33 @@ class Runner:
         self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
-        # a stop signal that comes while a failure is being explained (torchrun passing one
-        # on as it gives up) is only recorded: the explanation is what the user needs
-        with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
-                stop_signals(self.stop_signals) as self.stop_request:
-            try:
-                with training_failures(self, heartbeat):
-                    self.train_loop.run()
-            finally:
-                self.training = False
-                self.stop_request = None
-        if self.stop_reason is not None and self.checkpoints.last_saved is not None:
-            self.logger.info("%s; checkpoint %s written", self.stop_reason,
-                             self.checkpoints.last_saved.name)
-        self.call_hook("after_run")
+        try:
+            # a stop signal that comes while a failure is being explained (torchrun passing
+            # one on as it gives up) is only recorded: the explanation is what the user needs
+            with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
+                    stop_signals(self.stop_signals) as self.stop_request:
+                try:
+                    with training_failures(self, heartbeat):
+                        self.train_loop.run()
+                finally:
+                    self.training = False
+                    self.stop_request = None
+            if self.stop_reason is not None and self.checkpoints.last_saved is not None:
+                self.logger.info("%s; checkpoint %s written", self.stop_reason,
+                                 self.checkpoints.last_saved.name)
+            self.call_hook("after_run")
+        except BaseException as error:  # closed by on_error already, unless after it
+            self._close_trackers(error)
+            raise
+        self._close_trackers(None)
         return self.model
+
+    def _close_trackers(self, error: BaseException | None) -> None:
+        """The trackers' runs, closed as ``error`` (None: finished) ends the run; those that
+        are closed already (a failure in training closes them in ``on_error``) stay so."""
+        for hook in self.hooks:
+            if isinstance(hook, LoggerHook):
+                hook.close_trackers(error)
 
     def val(self) -> dict[str, float]:
         """Validate on the val data; every rank gets the metrics (with several validation

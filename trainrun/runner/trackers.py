@@ -11,11 +11,14 @@ makes one of each listed in ``logging.backends``, without arguments, and calls:
     at every logged line: ``{"train/loss": ..., "train/lr": ..., ...}`` for a training line,
     ``{"val/accuracy": ...}`` for a validation one; ``step`` is the global iteration.
 ``finish()``
-    once, when training ends.
+    once, when the run has finished (``train()`` returns, after every hook's ``after_run``).
 ``fail(error)``, optional
-    instead of ``finish`` when training ends by an exception (a failure, a stop signal,
-    Ctrl-C), so that the tracker can close its run as failed or killed; a tracker without it
-    gets ``finish()``. No collectives: another rank may be gone.
+    instead of ``finish`` when the run ends by an exception (a failure in training, in
+    validation, in a hook or in another tracker's start, another rank's failure, a stop
+    signal, Ctrl-C), so that the tracker can close its run as failed or killed; a tracker
+    without it gets ``finish()``. No collectives: another rank may be gone. When the
+    heartbeat ends a rank stuck in a collective (another rank failed or went silent), this is
+    called from the heartbeat's thread, with a ``PeerFailure``, before the process ends.
 
 The shipped ones are ``tensorboard``, ``wandb`` and ``mlflow``; ``logging.backends`` takes any
 other by import path (``my_project.trackers.MyTracker``).
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from trainrun.checkpoint.files import write_atomically
+from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED
 from trainrun.registry import TRACKERS
 from trainrun.runner.logging import get_logger
 from trainrun.runner.preemption import Preempted
@@ -81,15 +85,15 @@ class Tracker:
     def finish(self) -> None:
         """Close the tracker's run.
 
-        Called once, when training ends (or from this default ``fail``).
+        Called once, when the run has finished (or from this default ``fail``).
         """
 
     def fail(self, error: BaseException) -> None:
         """Close the tracker's run, which ``error`` ended (this default: as ``finish``).
 
-        Called instead of ``finish`` when training ends by an exception (a failure, a stop
-        signal, Ctrl-C), so that the tracker can close its run as failed or killed. No
-        collectives: another rank may be gone.
+        Called instead of ``finish`` when the run ends by an exception (a failure, a stop
+        signal, Ctrl-C, another rank's failure), so that the tracker can close its run as
+        failed or killed. No collectives: another rank may be gone.
 
         Args:
             error: the exception that ended training.
@@ -102,6 +106,26 @@ def stopped(error: BaseException) -> bool:
     return isinstance(error, (Preempted, KeyboardInterrupt))
 
 
+def exit_code(error: BaseException) -> int:
+    """The exit code ``trainrun train`` ends with when ``error`` ends the run: 75 for a stop
+    signal, 130 for Ctrl-C, 1 for a failure (`trainrun.exits`)."""
+    if isinstance(error, Preempted):
+        return EXIT_PREEMPTED
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED
+
+
+def close_tracker(tracker: Any, error: BaseException | None) -> None:
+    """Close ``tracker``'s run: ``finish()`` for a run that finished (``error`` None), else
+    ``fail(error)``, or ``finish()`` for a tracker without ``fail``."""
+    fail = getattr(tracker, "fail", None) if error is not None else None
+    if fail is not None:
+        fail(error)
+    else:
+        tracker.finish()
+
+
 def _stored_id(path: Path, resume: bool) -> str | None:
     """The tracker run id a resumed run continues (kept in the run directory), else None."""
     if resume and path.is_file():
@@ -112,8 +136,10 @@ def _stored_id(path: Path, resume: bool) -> str | None:
 class TensorBoardTracker(Tracker):
     """Scalars under ``<run_dir>/tensorboard``, tagged ``train/<name>`` and ``val/<name>``.
 
-    Named ``tensorboard`` in ``logging.backends``; it needs the tensorboard package (without
-    it the backend is skipped with a warning). It takes no arguments.
+    Named ``tensorboard`` in ``logging.backends``; it needs the tensorboard package
+    (``pip install trainrun[tensorboard]``; a config naming it without the package is
+    refused). It takes no arguments. However the run ends, what it wrote is flushed to disk
+    and the writer closed.
     """
 
     def start(self, run_dir: Path, config: dict[str, Any], resume: bool) -> None:
@@ -126,7 +152,7 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(key, value, step)
 
     def finish(self) -> None:
-        self.writer.close()
+        self.writer.close()  # flushes first
 
 
 class WandbTracker(Tracker):
@@ -137,8 +163,9 @@ class WandbTracker(Tracker):
 
     Named ``wandb`` in ``logging.backends``; it needs the wandb package
     (``pip install trainrun[wandb]``). It takes no arguments: the environment variables
-    above configure it. A run that fails is closed with exit code 1, one stopped (a signal,
-    Ctrl-C) with 0.
+    above configure it. The W&B run ends with the exit code ``trainrun train`` ends with
+    (`exit_code`): 0 when it finished, 1 when it failed, 75 when a stop signal ended it, 130
+    on Ctrl-C; W&B shows a run with a code other than 0 as failed.
     """
 
     ID_FILE = "wandb_run_id"
@@ -162,7 +189,7 @@ class WandbTracker(Tracker):
         self.run.finish()
 
     def fail(self, error: BaseException) -> None:
-        self.run.finish(exit_code=0 if stopped(error) else 1)
+        self.run.finish(exit_code=exit_code(error))
 
 
 class MLflowTracker(Tracker):
@@ -307,7 +334,7 @@ def check_backend(key: str, value: Any, own: tuple[str, ...]) -> str:
         return check_import_path(key, value)
     name = choice(*known)(key, value)
     package = missing_package(name)
-    if package is not None and name != "tensorboard":  # tensorboard: skipped with a warning
+    if package is not None:
         raise ConfigError(f"{key}: got {name!r}, but {package} is not installed; "
                           f"pip install trainrun[{name}]")
     return name

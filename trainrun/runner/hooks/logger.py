@@ -19,9 +19,9 @@ every checkpoint, so that a resumed run logs what an unbroken one does.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import resource
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -30,7 +30,15 @@ from typing import Any
 
 import torch
 
-from trainrun.dist import Handle, gather_object, gather_rows, get_dist_info, is_main_process
+from trainrun.dist import (
+    Handle,
+    PeerFailure,
+    before_process_end,
+    gather_object,
+    gather_rows,
+    get_dist_info,
+    is_main_process,
+)
 from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.hooks.timer import Window
@@ -38,7 +46,7 @@ from trainrun.runner.logging import get_logger
 from trainrun.runner.optim.wrapper import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.schema import check_bool, expects, fields, integer, names
-from trainrun.runner.trackers import check_backend, make_trackers
+from trainrun.runner.trackers import check_backend, close_tracker, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
 WINDOW = 1  # steps each logged training value is the mean of (1: the logged step's own)
@@ -94,7 +102,9 @@ class LoggerHook(Hook):
         self.progress_bar = show_bar and "console" in self.backends and is_main_process()
         self._bar = None
         self.trackers = make_trackers(self.backends) if is_main_process() else []
-        self._tracking = False  # the trackers are started (training, rank 0)
+        self._open: list[Any] = []  # the trackers started and not closed yet (rank 0)
+        self._closing = threading.Lock()  # the heartbeat's thread may close them too
+        self._forget_last_words = None  # takes `_close_on_stop` off the heartbeat's list
         self._started: tuple[float, int] | None = None  # (clock, step) when training began
         self._last_val: dict[str, float] = {}
         self._pending: LoggedStep | None = None  # a logged step whose numbers are on the way
@@ -105,9 +115,11 @@ class LoggerHook(Hook):
         self._measuring = None
         if self.trackers:
             config, resume = tracker_config(runner), resuming(runner)
-            for tracker in self.trackers:
+            # a rank stuck in a collective when another fails is ended by the heartbeat
+            self._forget_last_words = before_process_end(self._close_on_stop)
+            for tracker in self.trackers:  # one that fails to start: the others close
                 tracker.start(runner.work_dir, config, resume)
-            self._tracking = True
+                self._open.append(tracker)
         if self.progress_bar:
             from tqdm import tqdm
 
@@ -195,7 +207,7 @@ class LoggerHook(Hook):
             return
         if "jsonl" in self.backends:
             runner.metrics_file.write(record)
-        if self._tracking:
+        if self._open:
             self._track({f"train/{k}": v for k, v in record.items()
                          if k not in ("step", "epoch")}, record["step"])
         if self._bar is not None:
@@ -204,7 +216,7 @@ class LoggerHook(Hook):
 
     def _track(self, values: dict[str, float], step: int) -> None:
         """To every tracker, while training (a validation run alone tracks nothing)."""
-        for tracker in self.trackers if self._tracking else ():
+        for tracker in self._open:
             tracker.log(values, step)
 
     def _log(self, message: str) -> None:
@@ -259,9 +271,6 @@ class LoggerHook(Hook):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        for tracker in self.trackers if self._tracking else ():
-            tracker.finish()
-        self._tracking = False
 
     def on_error(self, runner: Any, error: BaseException) -> None:
         """Write the last logged step (after a preemption every rank sent its numbers; after
@@ -271,16 +280,41 @@ class LoggerHook(Hook):
             self._write_pending(runner, wait=isinstance(error, Preempted))
         except Exception:  # a rank that failed meanwhile, a line that cannot be written
             get_logger().exception("the last logged step could not be written")
-        for tracker in self.trackers if self._tracking else ():
-            fail = getattr(tracker, "fail", None)
+        self.close_trackers(error)
+
+    def close_trackers(self, error: BaseException | None = None) -> None:
+        """Close the trackers' runs, once: finished (``error`` None: the runner calls this
+        when ``train()`` is done, after every hook's ``after_run``), or as ended by ``error``
+        (their ``fail``; ``finish`` for a tracker without one).
+
+        After an error, a tracker that cannot close its run is logged: the run's own error is
+        what the user needs. At the end of a finished run the first such failure is raised,
+        once every tracker was closed (the run fails, as it would at any other hook).
+
+        Args:
+            error: what ended the run, or None for a run that finished.
+        """
+        with self._closing:
+            trackers, self._open = self._open, []
+            forget, self._forget_last_words = self._forget_last_words, None
+        if forget is not None:
+            forget()
+        failed: Exception | None = None
+        for tracker in trackers:
             try:
-                if fail is not None:
-                    fail(error)
-                else:
-                    tracker.finish()
-            except Exception:  # one tracker's failure must not hide the run's own error
-                get_logger().exception("%s could not close its run", type(tracker).__name__)
-        self._tracking = False
+                close_tracker(tracker, error)
+            except Exception as close_error:
+                if error is not None or failed is not None:  # else raised below
+                    get_logger().exception("%s could not close its run",
+                                           type(tracker).__name__)
+                failed = failed or close_error
+        if error is None and failed is not None:
+            raise failed
+
+    def _close_on_stop(self, message: str) -> None:
+        """The trackers' runs, failed: the heartbeat ends this process (`message`: which
+        rank failed or went silent) while its main thread is stuck in a collective."""
+        self.close_trackers(PeerFailure(message))
 
 
 def window_means(recent: Sequence[dict[str, Any]], keys: Iterable[str]) -> dict[str, Any]:
@@ -489,12 +523,8 @@ LOGGING = {
 
 def check_logging(key: str, value: Any, warnings: list[str]) -> dict[str, Any]:
     """The ``logging`` section: each backend is one of the logger's own outputs, a shipped
-    tracker (wandb and mlflow must be installed; tensorboard is dropped with a warning where
-    it is not) or a tracker class by import path; ``step_metrics`` false logs the values,
-    lr, time and data_time alone (none of the step metrics' work is done)."""
-    out = fields(key, value, LOGGING)
-    if "tensorboard" in out["backends"] and importlib.util.find_spec("tensorboard") is None:
-        out["backends"].remove("tensorboard")
-        warnings.append(f"{key}.backends: tensorboard is not installed (pip install "
-                        f"tensorboard); its logs are skipped")
-    return out
+    tracker (installed: tensorboard, wandb and mlflow are refused where their package is
+    missing) or a tracker class by import path; ``step_metrics`` false logs the values,
+    lr, time and data_time alone (none of the step metrics' work is done). ``warnings``
+    is the config's list of warnings (this section adds none)."""
+    return fields(key, value, LOGGING)
