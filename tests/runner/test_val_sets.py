@@ -91,6 +91,6 @@ def test_tracker_tags_of_one_set_and_of_several(loaders, metrics, tags):
     from trainrun.runner.hooks.logger import LoggerHook
 
     hook = LoggerHook(backends=["console"], progress_bar=False)
-    hook.trackers, hook._tracking = [_Tracked()], True  # as before_train leaves them
+    hook.trackers = hook._open = [_Tracked()]  # as before_train leaves them
     hook.after_val(SimpleNamespace(val_dataloader=loaders, iter=3), metrics)
     assert hook.trackers[0].tags == tags

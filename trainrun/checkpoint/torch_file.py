@@ -44,4 +44,6 @@ class TorchFile(CheckpointFormat):
 
     @classmethod
     def param_groups(cls, path: Path) -> Groups | None:
+        if not path.is_file():  # a subclass's own layout (a directory): checked when loaded
+            return None
         return saved_groups(load_mapped(path).get("optimizer"))
