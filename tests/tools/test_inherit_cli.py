@@ -63,7 +63,8 @@ def test_a_config_on_bases_trains_and_config_yaml_is_the_merged_config(tmp_path,
     assert saved["name"] == "run"  # the stem of the file given, not a base's
     assert saved["optim"]["lr"] == 2.0e-3 and saved["optim"]["type"] == "AdamW"
     assert saved["model"] == {"type": "DigitsMLP", "hidden": 256, "dropout": 0.1}
-    assert saved["schedule"] == {"max_epochs": None, "max_iters": 4, "val_interval": 2}
+    assert saved["schedule"] == {"max_epochs": None, "max_iters": 4, "val_interval": 2,
+                                 "val_begin": 1}
     assert saved["data"]["val"]["val_fraction"] == 0.2  # resolved across the files
     text = (work_dir / "config.yaml").read_text()
     assert "_base_" not in text and "_delete_" not in text and "${" not in text

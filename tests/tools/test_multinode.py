@@ -159,8 +159,9 @@ def test_a_partition_ends_both_sides_and_resume_continues_exactly(two_nodes, tmp
     jobs = _start_nodes(two_nodes, work_dir, options)
     workers: list[int] = []
     try:
+        # (metrics.jsonl can exist before its first training line is in)
         while not (work_dir / "metrics.jsonl").exists() or \
-                max(r["step"] for r in train_records(work_dir)) < 27:
+                max((r["step"] for r in train_records(work_dir)), default=0) < 27:
             assert all(job.poll() is None for job in jobs), "a node ended before step 27"
             time.sleep(0.02)
         workers = [pid for job in jobs for pid in descendants(job.pid)
