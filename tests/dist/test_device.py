@@ -63,3 +63,17 @@ def test_cast_data_device_rejects_mismatched_out():
     with pytest.raises(TypeError, match="^data should be a Tensor, sequence of tensor or dict; "
                                         "got str: 'text'$"):
         dist.cast_data_device("text", "cpu")
+
+
+def test_map_tensors_reaches_every_tensor_and_keeps_the_containers():
+    from collections import namedtuple
+
+    from trainrun.dist.device import map_tensors
+
+    Pair = namedtuple("Pair", "a b")
+    data = OrderedDict(x=torch.ones(2), rest=[Pair(torch.zeros(1), "label"), (torch.ones(1), 3)])
+    out = map_tensors(data, lambda t: t + 1)
+    assert type(out) is OrderedDict and type(out["rest"][0]) is Pair
+    assert torch.equal(out["x"], torch.full((2,), 2.0))
+    assert torch.equal(out["rest"][0].a, torch.ones(1)) and out["rest"][0].b == "label"
+    assert torch.equal(out["rest"][1][0], torch.full((1,), 2.0)) and out["rest"][1][1] == 3

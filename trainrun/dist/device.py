@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -98,6 +98,28 @@ def get_data_device(data: Any) -> torch.device:
     if device is None:
         raise ValueError("data holds no tensors, so it has no device")
     return device
+
+
+def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``data`` with ``fn`` applied to each of its tensors: in mappings (their type kept),
+    lists, tuples and namedtuples, nested to any depth; anything else as it is.
+
+    Args:
+        data: a tensor, or a (nested) container of tensors and other values.
+        fn: what becomes of a tensor, e.g. ``lambda t: t.to(device)``.
+
+    Returns:
+        ``data`` with each tensor replaced by ``fn(tensor)``, in containers of the same types.
+    """
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return type(data)({key: map_tensors(value, fn) for key, value in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
+        return type(data)(*(map_tensors(item, fn) for item in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(map_tensors(item, fn) for item in data)
+    return data
 
 
 def cast_data_device(data: Any, device: torch.device | str, out: Any = None) -> Any:

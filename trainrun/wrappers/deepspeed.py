@@ -45,7 +45,7 @@ from trainrun.dist import (
     leave_dist,
     phase,
 )
-from trainrun.dist.device import autocast_dtype
+from trainrun.dist.device import autocast_dtype, map_tensors
 from trainrun.registry import FORMATS
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
@@ -157,15 +157,10 @@ def _autocast(precision: str, device_type: str) -> contextlib.AbstractContextMan
 
 
 def _floats_to(data: Any, dtype: torch.dtype) -> Any:
-    """``data`` with its floating-point tensors (in lists, tuples and dicts) cast to
-    ``dtype``; integer tensors and everything else as they are."""
-    if isinstance(data, Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, Mapping):
-        return {key: _floats_to(value, dtype) for key, value in data.items()}
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(_floats_to(item, dtype) for item in data)
-    return data
+    """``data`` with its floating-point tensors cast to ``dtype``; integer tensors and
+    everything else as they are."""
+    return map_tensors(data, lambda tensor: tensor.to(dtype) if tensor.is_floating_point()
+                       else tensor)
 
 
 def _fsync(files: list[Path]) -> None:

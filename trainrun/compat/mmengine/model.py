@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trainrun.dist.device import map_tensors
 from trainrun.runner.schema import ConfigError
 from trainrun.wrappers import BaseModel as _Model
 from trainrun.wrappers import (
@@ -46,15 +47,7 @@ def unpacked(data: Any, mode: str) -> tuple[tuple, dict[str, Any]]:
 
 def cast_data(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Tensors of a (nested) batch on ``device``; anything else as it is."""
-    if isinstance(data, Tensor):
-        return data.to(device, non_blocking=non_blocking)
-    if isinstance(data, Mapping):
-        return type(data)({k: cast_data(v, device, non_blocking) for k, v in data.items()})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a namedtuple
-        return type(data)(*(cast_data(v, device, non_blocking) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(cast_data(v, device, non_blocking) for v in data)
-    return data
+    return map_tensors(data, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
 class BaseDataPreprocessor(nn.Module):
