@@ -5,10 +5,13 @@ it instead."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from trainrun import registry
 from trainrun.cli.train import main as train_main
 from trainrun.exits import EXIT_OK, EXIT_USAGE
 
@@ -77,15 +80,21 @@ randomness = dict(seed=42)
 
 
 @pytest.fixture
-def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An MMEngine Python config and the module it imports (registering its names once per
-    process: a later test's import finds the module imported), in the working directory."""
+def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An MMEngine Python config and the module it imports, in the working directory; the
+    names that module registers in trainrun's shared registries are taken out afterwards
+    (tests/runner/test_reference.py reads every registered data set's options)."""
     (tmp_path / "plan_parts.py").write_text(PARTS, encoding="utf-8")
     path = tmp_path / "mm_config.py"
     path.write_text(CONFIG, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return path
+    yield path
+    for table, name in ((registry.DATASETS, "PlanBlobs"), (registry.MODELS, "PlanTiny"),
+                        (registry.METRICS, "PlanAccuracy")):
+        if name in table:
+            del table[name]
+    sys.modules.pop("plan_parts", None)
 
 
 def listing(directory: Path) -> list[str]:
