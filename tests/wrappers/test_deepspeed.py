@@ -225,10 +225,22 @@ class _AfterLoading:
         if runner.epoch == 0:
             self.read += batch["index"].tolist()
 
+    def after_train_iter(self, runner, *args):
+        if "steps" not in vars(self):  # each flat group's step count, after one step more
+            zero = runner.strategy.engine.optimizer.optimizer
+            self.steps = [float(state["step"]) for state in zero.state.values()]
+
+
+def _groups(stage):
+    """Two parameter groups under ZeRO-3 (whose loading of a universal checkpoint gave both
+    one step count); one under ZeRO-2, where DeepSpeed's ``safe_get_full_optimizer_state``
+    (`_full_state`) cannot read a group so small that a rank holds none of a parameter."""
+    return {"paramwise": {"bias_decay_mult": 0.0}} if stage == 3 else None
+
 
 def _save_on_two_body(base, stage):
     runner = _runner(base, {"type": "deepspeed", "zero_stage": stage}, max_iters=6,
-                     checkpoint={"interval": 6})
+                     checkpoint={"interval": 6}, optim=_groups(stage))
     runner.train()
     state = _full_state(runner)
     runner.close()
@@ -238,10 +250,11 @@ def _save_on_two_body(base, stage):
 def _resume_on_three_body(base, stage):
     hook = _AfterLoading()
     runner = _runner(base, {"type": "deepspeed", "zero_stage": stage}, max_iters=9,
-                     checkpoint={"interval": 6}, resume=True, hooks=[hook])
+                     checkpoint={"interval": 6}, resume=True, hooks=[hook],
+                     optim=_groups(stage))
     runner.train()
     runner.close()
-    return hook.state, hook.position, hook.read
+    return hook.state, hook.position, hook.read, hook.steps
 
 
 def _file_hashes(directory: Path) -> dict[str, str]:
@@ -254,19 +267,21 @@ def _file_hashes(directory: Path) -> dict[str, str]:
 def test_a_checkpoint_of_two_processes_resumes_on_three(run_on, tmp_path, stage):
     """Saved mid-epoch at step 6 by 2 processes, resumed by 3: DeepSpeed's universal
     checkpoint, made beside the checkpoint and removed, gives every rank the saved weights and
-    Adam moments; the run goes on from step 6 and the sampler's cursor (each unread sample of
+    Adam moments (under ZeRO-3, each of two parameter groups its own step count); the run
+    goes on from step 6 and the sampler's cursor (each unread sample of
     the epoch read once, on 3 ranks); the published checkpoint is left as it was."""
     saved = run_on(2)(_save_on_two_body, str(tmp_path), stage)[0]
     checkpoints = tmp_path / "checkpoints"
     hashes = _file_hashes(checkpoints / "iter_6.pth")
     results = run_on(3)(_resume_on_three_body, str(tmp_path), stage)
     order = ResumableSampler(64, seed=7, num_replicas=1, rank=0).epoch_order()
-    for state, position, _ in results:
+    for state, position, _, steps in results:
         assert position == (6, {"epoch": 0, "cursor": 48, "seed": 7})  # 6 steps of 2 x 4
+        assert steps == [7.0] * (2 if stage == 3 else 1)  # each group counts step 7 once
         assert state.keys() == saved.keys()
         for key, value in saved.items():
             assert torch.equal(state[key], value), key
-    read = sorted(index for _, _, indices in results for index in indices)
+    read = sorted(index for _, _, indices, _ in results for index in indices)
     assert read == sorted(order[48:] + order[:2])  # 16 left, 2 padding samples: 3 x 2 x 3
     assert sorted(losses(tmp_path)) == list(range(1, 10))
     assert all(loss == loss for loss in losses(tmp_path).values())  # no NaN

@@ -51,6 +51,13 @@ def saved_world_size(path: str | os.PathLike) -> int | None:
     return len(ranks) or None
 
 
+def saved_zero_stage(path: str | os.PathLike) -> int:
+    """The ZeRO stage the DeepSpeed checkpoint at ``path`` was written under (0 without
+    ZeRO), from the config rank 0's model-states file records."""
+    config = _model_states(Path(path)).get("ds_config") or {}
+    return int((config.get("zero_optimization") or {}).get("stage", 0))
+
+
 def to_universal(path: str | os.PathLike, output: str | os.PathLike) -> None:
     """Write DeepSpeed's universal checkpoint of the checkpoint at ``path`` into ``output``:
     every parameter's weights and optimiser state whole, which an engine on any number of
@@ -154,8 +161,31 @@ class DeepSpeedDirectory(CheckpointFormat):
 
     @classmethod
     def read_state(cls, path: Path) -> dict[str, Any]:
-        raise ValueError(f"{path} is a DeepSpeed checkpoint: strategy 'deepspeed' resumes it; "
-                         f"load_from reads its weights into any strategy")
+        """The whole checkpoint as one plain state, read in this process alone: the fp32
+        weights, the optimiser's state with its parameters by name (`named_optimizer_state`,
+        through DeepSpeed's universal checkpoint, made in a temporary directory and removed)
+        and the runner's train state. What another strategy resumes. ZeRO stages 1 to 3 only:
+        without ZeRO, DeepSpeed keeps its optimiser's state in a form of its own."""
+        if saved_world_size(path) is None:
+            raise ValueError(f"{path} is a DeepSpeed checkpoint without ZeRO (stage 0): only "
+                             f"strategy 'deepspeed' resumes it; load_from reads its weights "
+                             f"into any strategy")
+        state = {**cls.read_train_state(path), "model": cls.read_weights(path)}
+        with tempfile.TemporaryDirectory(prefix="trainrun-universal-") as made:
+            to_universal(path, made)
+            state["optimizer"] = _named_optimizer_state(Path(made) / TAG, _model_states(path))
+        return state
+
+    @classmethod
+    def whole_refusal(cls, path: Path, precision: str, accumulate: int) -> str | None:
+        """Without ZeRO, DeepSpeed's optimiser state is in a form of its own; under fp16 its
+        loss scale is its own scaler's; between the micro-steps of an accumulation group its
+        gradients were not saved. Each is refused (`deepspeed_change_refusal`)."""
+        if saved_world_size(path) is None:
+            return ("it is a DeepSpeed checkpoint without ZeRO (zero_stage 0), whose optimiser "
+                    "state only strategy 'deepspeed' reads: resume it under that strategy, or "
+                    "start a new run from its weights alone (load_from)")
+        return deepspeed_change_refusal(cls.read_train_state(path), precision, accumulate)
 
     @classmethod
     def read_weights(cls, path: Path) -> dict[str, Tensor]:
@@ -210,3 +240,92 @@ def _model_states(path: Path) -> dict[str, Any]:
     files = sorted((path / TAG).glob("*mp_rank_00_model_states.pt"))
     with weights_only_loads(path):
         return load_mapped(files[0])
+
+
+def _named_optimizer_state(universal: Path, model_states: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser's state in DeepSpeed's universal checkpoint ``universal`` (its tag's
+    directory), each parameter by name, in torch's form: every group's settings, and each
+    parameter's moments (in its shape) and step count (ZeRO-3 records one step for all).
+    The groups' parameters are those ``model_states`` records for each group (``param_shapes``)."""
+    zero = universal / "zero"
+    with weights_only_loads(universal):
+        meta = torch.load(zero / "optimizer_state.pt", map_location="cpu")
+    first = next(iter((meta.get("optimizer_state_dict") or {}).get("state", {}).values()), {})
+    groups, state = [], {}
+    for shapes, group in zip(model_states["param_shapes"], meta["param_groups"], strict=True):
+        groups.append({**{key: value for key, value in group.items() if key != "params"},
+                       "params": list(shapes)})
+        for name in shapes:
+            # each its own step tensor: torch's optimisers count their steps in place
+            entry = {"step": first["step"].clone()} if "step" in first else {}
+            for file in sorted((zero / name).glob("*.pt")):
+                value = load_torch_file(file)
+                if file.stem == "step":
+                    entry["step"] = value
+                elif file.stem != "fp32":  # ZeRO-3's files hold the flat tensor itself
+                    value = value["param"] if isinstance(value, dict) else value
+                    entry[file.stem] = value.reshape(shapes[name])
+            state[name] = entry
+    return {"state": state, "param_groups": groups}
+
+
+def write_universal(folder: str | os.PathLike, weights: dict[str, Tensor],
+                    optimizer: dict[str, Any], records: dict[str, Any]) -> None:
+    """Write a model's parameters and their optimiser state in the form of DeepSpeed's
+    universal checkpoint (its ``zero`` directory), which a ZeRO optimiser on any number of
+    processes loads: how a checkpoint another strategy wrote reaches a DeepSpeed engine.
+
+    Args:
+        folder: an empty directory (the tag's, as the optimiser's loader is given it).
+        weights: the whole model's tensors by name (each parameter's fp32 master copy is
+            made from it).
+        optimizer: the optimiser's state by parameter name (`named_optimizer_state`).
+        records: what DeepSpeed's loader reads beside the tensors: the engine's loss scaler
+            (``loss_scaler``, ``dynamic_loss_scale``), ``clip_grad`` and ``ds_version``.
+    """
+    zero = Path(folder) / "zero"
+    for group in optimizer["param_groups"]:
+        for name in group["params"]:
+            place = zero / name
+            place.mkdir(parents=True)
+            torch.save({"param": weights[name].float(), "cat_dim": 0}, place / "fp32.pt")
+            for key, value in optimizer["state"].get(name, {}).items():
+                torch.save(value if key == "step" else {"param": value, "cat_dim": 0},
+                           place / f"{key}.pt")
+    steps = [entry["step"] for entry in optimizer["state"].values() if "step" in entry]
+    groups = optimizer["param_groups"]
+    torch.save({**records, "overflow": False, "param_groups": groups,
+                # ZeRO-3 reads one step count for all, and its groups' settings, here
+                "optimizer_state_dict": {"state": {0: {"step": steps[0]}} if steps else {},
+                                         "param_groups": groups}},
+               zero / "optimizer_state.pt")
+
+
+def deepspeed_change_refusal(train_state: dict[str, Any], precision: str,
+                             accumulate: int) -> str | None:
+    """Why a resume between strategy 'deepspeed' and another cannot be exact, from the
+    checkpoint's train state, or None: under fp16 the loss scale lives in DeepSpeed's own
+    scaler on one side and torch's on the other; between the micro-steps of an accumulation
+    group the gradients accumulated so far do not carry (DeepSpeed saves none).
+
+    Args:
+        train_state: the checkpoint's runner state (its ``meta`` says the strategy and step).
+        precision: the resuming run's precision.
+        accumulate: the resuming run's micro-steps per optimiser step.
+
+    Returns:
+        The reason and what to do, in words, or None.
+    """
+    meta = train_state.get("meta") or {}
+    written = meta.get("strategy", "another strategy")
+    if precision == "fp16":
+        return (f"it was written under strategy {written!r}, and under fp16 the loss scale "
+                f"does not carry between DeepSpeed's scaler and torch's: resume it under "
+                f"strategy {written!r}, or in bf16 or fp32")
+    step = meta.get("iter", 0)
+    if accumulate > 1 and step % accumulate:
+        return (f"it was written under strategy {written!r} at step {step}, inside an "
+                f"accumulation group of {accumulate} micro-steps whose gradients do not carry "
+                f"to or from DeepSpeed: resume it under strategy {written!r}, or from a "
+                f"checkpoint at a multiple of optim.accumulate")
+    return None

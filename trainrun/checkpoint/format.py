@@ -111,6 +111,22 @@ class CheckpointFormat(ABC):
         return None
 
     @classmethod
+    def whole_refusal(cls, path: Path, precision: str, accumulate: int) -> str | None:
+        """Why a strategy that writes another format cannot carry on exactly from ``path``
+        read whole (`read_state`), or None where it can: what a resume under another
+        strategy checks before anything is written. None unless overridden.
+
+        Args:
+            path: the checkpoint.
+            precision: the resuming run's ``'fp32'``, ``'bf16'`` or ``'fp16'``.
+            accumulate: the resuming run's micro-steps per optimiser step.
+
+        Returns:
+            The reason and what to do, in words, or None.
+        """
+        return None
+
+    @classmethod
     def read_weights(cls, path: Path) -> dict[str, torch.Tensor]:
         """The whole model's state, plain keys, read in this process with no group.
 

@@ -1,5 +1,6 @@
 """The optimiser's state in a checkpoint: taken from one optimiser or a dict of them by
-submodule, and loaded back, refusing one that does not fit this run's optimiser; and the
+submodule, and loaded back, refusing one that does not fit this run's optimiser; the same
+state with its parameters by name, the form that carries between strategies; and the
 parameter groups a saved state holds, compared with this run's before anything is loaded."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
 from torch.optim import Optimizer
 
 from trainrun.messages import first_line
@@ -34,11 +36,25 @@ OPTIMIZER_MISMATCH_HINT = ("optim.paramwise or optim.type changed since it was w
                            "weights alone can start a run (load_from)")
 
 
-def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
+def load_optimizer_state(optimizer: Optimizers | None, state: Any,
+                         model: nn.Module | None = None) -> None:
     """Load ``state`` into ``optimizer``; one that does not fit (other parameter groups, or
-    another optimiser) is an `OptimizerMismatch` saying so."""
+    another optimiser) is an `OptimizerMismatch` saying so.
+
+    Args:
+        optimizer: this run's optimiser (one, or a dict of them by submodule), or None.
+        state: the saved state, its parameters by position (torch's own form) or by name
+            (`named_optimizer_state`'s), or None.
+        model: the plain model ``optimizer`` updates, which names its parameters: needed
+            where ``state`` holds them by name.
+    """
     if optimizer is None or state is None:
         return
+    if is_named(state):
+        if model is None or isinstance(optimizer, Mapping):
+            raise OptimizerMismatch("its optimiser state holds parameters by name, which only "
+                                    "one optimiser over a model can take")
+        state = in_optimizer_order(state, optimizer_order(optimizer, model))
     try:
         if isinstance(optimizer, Mapping):
             for name, opt in optimizer.items():
@@ -48,6 +64,106 @@ def load_optimizer_state(optimizer: Optimizers | None, state: Any) -> None:
     except (ValueError, KeyError) as error:
         raise OptimizerMismatch(f"its optimiser state does not fit this run's optimiser "
                                 f"({first_line(error)}): {OPTIMIZER_MISMATCH_HINT}") from None
+
+
+# ---------------------------------------------------------------- parameters by name
+
+def is_named(state: Any) -> bool:
+    """Whether a saved optimiser state holds its parameters by name (as
+    ``torch.distributed.checkpoint.state_dict`` and DeepSpeed's universal checkpoint do), not by
+    position (torch's ``Optimizer.state_dict``)."""
+    return isinstance(state, Mapping) and any(
+        isinstance(key, str) for group in state.get("param_groups") or []
+        for key in group.get("params") or [])
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter of ``model`` (by ``id``) and its name; a parameter shared by two
+    modules (tied weights) has the first name ``named_parameters`` gives it."""
+    return {id(param): name for name, param in model.named_parameters()}
+
+
+def optimizer_order(optimizer: Optimizer, model: nn.Module) -> list[list[str]]:
+    """The names of ``optimizer``'s parameters, group by group, in its order.
+
+    Args:
+        optimizer: an optimiser over ``model``'s parameters.
+        model: the plain model.
+
+    Returns:
+        Each group's parameter names.
+
+    Raises:
+        OptimizerMismatch: the optimiser holds a tensor that is not one of the model's.
+    """
+    names = parameter_names(model)
+    try:
+        return [[names[id(param)] for param in group["params"]]
+                for group in optimizer.param_groups]
+    except KeyError:
+        raise OptimizerMismatch("this run's optimiser updates a tensor that is not a parameter "
+                                "of the model, so its state cannot be matched by name") from None
+
+
+def named_optimizer_state(state: Mapping[str, Any], order: list[list[str]]) -> dict[str, Any]:
+    """``state`` with its parameters by name: what carries an optimiser's state from one
+    strategy to another, whichever way each holds its parameters.
+
+    A state by position is named after this run's optimiser, the n-th parameter it holds
+    being the n-th saved (what torch's ``load_state_dict`` assumes too).
+
+    Args:
+        state: a saved optimiser state, by position or by name.
+        order: the names of this run's optimiser's parameters, group by group
+            (`optimizer_order`).
+
+    Returns:
+        The state, by name.
+
+    Raises:
+        OptimizerMismatch: the state holds another number of parameters.
+    """
+    if is_named(state):
+        return dict(state)
+    order = [name for group in order for name in group]
+    saved = [key for group in state["param_groups"] for key in group["params"]]
+    if len(saved) != len(order):
+        raise OptimizerMismatch(f"its optimiser state holds {len(saved)} parameters, this run's "
+                                f"optimiser {len(order)}: {OPTIMIZER_MISMATCH_HINT}")
+    name = dict(zip(saved, order, strict=True))
+    return {"state": {name[key]: value for key, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name[key] for key in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def in_optimizer_order(state: Mapping[str, Any], order: list[list[str]]) -> dict[str, Any]:
+    """A state by name (`named_optimizer_state`) with each group's parameters in the order
+    this run's optimiser holds them, which its ``load_state_dict`` matches by position.
+
+    Args:
+        state: a saved optimiser state by name.
+        order: the names of this run's optimiser's parameters, group by group
+            (`optimizer_order`).
+
+    Returns:
+        The state, ready for ``optimizer.load_state_dict``.
+
+    Raises:
+        OptimizerMismatch: a group holds other parameters than this run's.
+    """
+    if len(order) != len(state["param_groups"]):
+        raise OptimizerMismatch(f"its optimiser state holds {len(state['param_groups'])} "
+                                f"parameter groups, this run's optimiser {len(order)}: "
+                                f"{OPTIMIZER_MISMATCH_HINT}")
+    groups = []
+    for number, (names, saved) in enumerate(zip(order, state["param_groups"], strict=True), 1):
+        differ = sorted(set(names) ^ set(saved["params"]))
+        if differ:
+            raise OptimizerMismatch(
+                f"its optimiser state's group {number} holds other parameters than this run's "
+                f"({', '.join(differ[:3])} in one of them only): {OPTIMIZER_MISMATCH_HINT}")
+        groups.append({**saved, "params": names})
+    return {"state": dict(state["state"]), "param_groups": groups}
 
 
 # ---------------------------------------------------------------- parameter groups

@@ -166,7 +166,7 @@ class StartPoint:
         Args:
             start: what ``choose`` returned.
             shapes: the shape of every tensor of the model's state, by name.
-            groups: the parameter groups of this run's optimiser(s) (`optimizer_groups`);
+            groups: the parameter groups of this run's optimiser(s) (``Strategy.optimizer_groups``);
                 None: no optimiser, nothing to check.
 
         Raises:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainrun.checkpoint.manager import CheckpointManager, resolve_checkpoint
-from trainrun.checkpoint.optimizer_state import OptimizerMismatch, optimizer_groups
+from trainrun.checkpoint.optimizer_state import OptimizerMismatch
 from trainrun.checkpoint.read import read_train_state, read_weights
 from trainrun.checkpoint.resume import StartPoint
 from trainrun.checkpoint.train_state import HookStates
@@ -252,7 +252,9 @@ class Runner:
             # bad option or the logging's: refused before anything is written
             self._start = StartPoint(self.checkpoints.directory, refusal=ConfigError)
             self.start_from = self._start.choose(resume, load_from)
-            self._start.check_fits(self.start_from, shapes, optimizer_groups(self.optimizer))
+            self._start.check_fits(self.start_from, shapes,
+                                  self.strategy.optimizer_groups(self.optimizer))
+            self._check_strategy_change(optim)
             extra_hooks = build.extra_hooks(hooks)
             logging = build.section(check_logging, "logging", logging)
             self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
@@ -524,6 +526,17 @@ class Runner:
                                          self.optimizer, train_state(self).state_dict(),
                                          update_last, background, step=self.iter)
 
+    def _check_strategy_change(self, optim: Any) -> None:
+        """Refuse, before anything is written, a checkpoint to resume that another strategy
+        wrote and this one cannot carry on from exactly (``Strategy.resume_refusal``)."""
+        if self.start_from is None or self.start_from[0] != "resume":
+            return
+        path = self.start_from[1]
+        accumulate = optim.get("accumulate") if isinstance(optim, Mapping) else None
+        why = self.strategy.resume_refusal(path, self.precision, accumulate or 1)
+        if why is not None:
+            raise ConfigError(f"resume: {path}: {why}")
+
     def _resume_or_load(self) -> None:
         if self.start_from is not None:
             how, path = self.start_from
@@ -550,9 +563,13 @@ class Runner:
             state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
         except OptimizerMismatch as error:
             raise ConfigError(f"resume: {path}: {error}") from None
+        written = (state.get("meta") or {}).get("strategy", self.strategy.name)
         train_state(self).load_state_dict(state)
         at_checkpoint(path.name, self.iter)
-        self.logger.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, self.iter)
+        self.logger.info("resumed from %s at epoch %d, step %d%s", path, self.epoch + 1,
+                         self.iter, "" if written == self.strategy.name else
+                         f" (written under strategy {written!r}, carried on under "
+                         f"{self.strategy.name!r})")
         if self.metrics_file.path.exists():  # each step once: the lost steps' lines go
             dropped = self.metrics_file.resume(self.iter, path)
             if dropped:  # (None on the other ranks)

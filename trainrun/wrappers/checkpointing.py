@@ -21,8 +21,14 @@ import torch
 from torch import nn
 
 from trainrun.checkpoint.files import BackgroundWriter, files_written_by, save_state_file
-from trainrun.checkpoint.format import load_state_file
-from trainrun.checkpoint.optimizer_state import Optimizers, load_optimizer_state, optimizer_state
+from trainrun.checkpoint.format import checkpoint_format, load_state_file
+from trainrun.checkpoint.optimizer_state import (
+    Groups,
+    Optimizers,
+    load_optimizer_state,
+    optimizer_groups,
+    optimizer_state,
+)
 from trainrun.dist import barrier, is_main_process
 
 
@@ -102,8 +108,12 @@ class Checkpointing:
                         optimizer: Optimizers | None) -> dict[str, Any]:
         """Restore model and optimiser from ``path`` on every rank; returns the extra state.
 
+        This default reads a checkpoint in any format whole (what another strategy wrote
+        too: its optimiser state by position or by parameter name), which suits strategies
+        whose every rank holds the whole model.
+
         Args:
-            path: the checkpoint (in this strategy's format).
+            path: the checkpoint (in any format).
             model: the model ``setup`` returned.
             optimizer: the optimiser ``setup`` returned, or None.
 
@@ -116,8 +126,38 @@ class Checkpointing:
         """
         state = load_state_file(path)
         self.load_model_state_dict(model, state.pop("model"))
-        load_optimizer_state(optimizer, state.pop("optimizer", None))
+        load_optimizer_state(optimizer, state.pop("optimizer", None), self.unwrap(model))
         return state
+
+    def resume_refusal(self, path: Path, precision: str, accumulate: int) -> str | None:
+        """Why this strategy cannot carry on exactly from the checkpoint ``path``, which
+        another strategy wrote in another format, or None where it can (or ``path`` is in its
+        own format): checked before anything is written.
+
+        Args:
+            path: the checkpoint to resume.
+            precision: this run's ``'fp32'``, ``'bf16'`` or ``'fp16'``.
+            accumulate: this run's micro-steps per optimiser step.
+
+        Returns:
+            The reason and what to do, in words, or None.
+        """
+        written = checkpoint_format(path)
+        if written.name == self.FORMAT:
+            return None
+        return written.whole_refusal(path, precision, accumulate)
+
+    def optimizer_groups(self, optimizer: Optimizers | None) -> Groups | None:
+        """The parameter groups of this run's optimiser as the user's config made them: what
+        a resume checks a checkpoint's against before anything is written.
+
+        Args:
+            optimizer: the optimiser ``setup`` returned, or None.
+
+        Returns:
+            Each optimiser's groups, by submodule ('' for one optimiser); None without one.
+        """
+        return optimizer_groups(optimizer)
 
     def _end_background_writes(self) -> None:
         """Wait for the background writes asked for to end (``Strategy.teardown``)."""

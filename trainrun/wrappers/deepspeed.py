@@ -29,11 +29,21 @@ from torch import Tensor, nn
 
 from trainrun.checkpoint.deepspeed_dir import (
     TAG,
+    deepspeed_change_refusal,
     saved_world_size,
+    saved_zero_stage,
     universal_copy,
     weights_only_loads,
+    write_universal,
 )
 from trainrun.checkpoint.files import fsync_and_hash, save_state_file
+from trainrun.checkpoint.format import checkpoint_format, load_state_file
+from trainrun.checkpoint.optimizer_state import (
+    Groups,
+    named_optimizer_state,
+    optimizer_groups,
+    optimizer_order,
+)
 from trainrun.checkpoint.train_state import TRAIN_STATE
 from trainrun.dist import (
     barrier,
@@ -202,6 +212,15 @@ _PARAM_BUFFERS = ("bit16_groups_flat", "fp16_partitioned_groups_flat", "fp16_gro
 _MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
             "fp32_groups_flat", "fp32_groups")
 _GRAD_BUFFERS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer")
+
+
+def _own_step_counts(zero_optimizer: Any) -> None:
+    """Give each of the ZeRO optimiser's flat groups a step count of its own: loading a
+    universal checkpoint, ZeRO-3 gives them all one tensor, which torch's optimisers count in
+    place (with two groups, every step would count twice)."""
+    for state in zero_optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def _tensors_in(value: Any) -> list[Tensor]:
@@ -520,6 +539,9 @@ class DeepSpeedStrategy(Strategy):
         self.config: dict[str, Any] | None = None
         self._own_group = False
         self._set_local_rank = False
+        # the optimiser's parameters by name, and its groups, before the engine took them over
+        self._group_names: list[list[str]] = []
+        self._groups: Groups | None = None
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -615,6 +637,9 @@ class DeepSpeedStrategy(Strategy):
         if isinstance(optimizer, Mapping):
             raise ValueError("strategy 'deepspeed' takes one optimiser; optim.per_module "
                              "needs strategy 'separate_ddp'")
+        # how a checkpoint of another strategy is matched to them (_load_whole)
+        self._group_names = optimizer_order(optimizer, model)
+        self._groups = optimizer_groups(optimizer)
         _skip_shared_memory_comm_build()
         self._ensure_group()
         import deepspeed
@@ -626,6 +651,33 @@ class DeepSpeedStrategy(Strategy):
         if _lookup(self.config, "zero_optimization.stage") == 3:
             share_fp32_master(engine.optimizer)
         return MMDeepSpeedEngineWrapper(engine, settings["precision"]), optimizer
+
+    def resume_refusal(self, path: Path, precision: str, accumulate: int) -> str | None:
+        """Another strategy's checkpoint reaches the engine's optimiser through ZeRO's
+        universal loading: not without ZeRO, nor under fp16 or inside an accumulation group
+        (`deepspeed_change_refusal`)."""
+        written = checkpoint_format(path)
+        if written.name == self.FORMAT:
+            stage = saved_zero_stage(path)
+            if stage == self._stage() or 0 not in (stage, self._stage()):
+                return None
+            return (f"it was written under ZeRO stage {stage}, and this run has stage "
+                    f"{self._stage()}: without ZeRO DeepSpeed keeps its optimiser state in a "
+                    f"form of its own; resume it with strategy.zero_stage {stage}")
+        if self._stage() == 0:
+            return ("strategy 'deepspeed' without ZeRO (zero_stage 0) takes only its own "
+                    "checkpoints: resume with strategy.zero_stage 1, 2 or 3, or under the "
+                    "strategy that wrote it")
+        return deepspeed_change_refusal(written.read_train_state(path), precision, accumulate)
+
+    def _stage(self) -> int:
+        """The engine's ZeRO stage (0 without ZeRO)."""
+        stage = _lookup(self.config or {}, "zero_optimization.stage")
+        return 0 if stage is _MISSING else int(stage)
+
+    def optimizer_groups(self, optimizer: Optimizers | None) -> Groups | None:
+        """The groups as the config made them: the engine holds each as one flat tensor."""
+        return self._groups if self.engine is not None else super().optimizer_groups(optimizer)
 
     def optim_wrapper(self, model: nn.Module, optimizer: Optimizers | None) -> Any:
         if self.engine is None or optimizer is None:
@@ -741,8 +793,11 @@ class DeepSpeedStrategy(Strategy):
 
     def load_checkpoint(self, path: str, model: nn.Module,
                         optimizer: Optimizers | None) -> dict[str, Any]:
-        if not Path(path).is_dir():  # another strategy's single file
-            return super().load_checkpoint(path, model, optimizer)
+        """Restore the engine on every rank from a DeepSpeed checkpoint of any number of
+        processes, or from another strategy's (`_load_whole`); returns the runner's state."""
+        if checkpoint_format(path).name != self.FORMAT or self.engine is not None and \
+                saved_zero_stage(path) != self._stage():  # cut for another stage: read whole
+            return self._load_whole(path, model, optimizer)
         if self.engine is None:
             raise ValueError(f"{path} is a DeepSpeed checkpoint; resuming it needs training "
                              "(an optimiser)")
@@ -752,11 +807,49 @@ class DeepSpeedStrategy(Strategy):
         else:  # ZeRO's partitions are cut for `saved` processes
             with universal_copy(path, saved) as universal:
                 self._load_engine(universal, universal=True)
+            _own_step_counts(self.engine.optimizer)
             if is_main_process():
                 log.info("resume: %s was written by %d processes, this job has %d: loaded "
                          "through DeepSpeed's universal checkpoint (converted beside it, then "
                          "removed)", path, saved, get_world_size())
         return FORMATS[self.FORMAT].read_train_state(Path(path))
+
+    def _load_whole(self, path: str, model: nn.Module,
+                    optimizer: Optimizers | None) -> dict[str, Any]:
+        """Restore the engine from a checkpoint another strategy (or another ZeRO stage)
+        wrote, read whole on every rank: the weights, then each parameter's fp32 master copy
+        and optimiser state (matched by name) through a universal checkpoint written in a
+        temporary directory of this rank's own, which the ZeRO optimiser cuts into its
+        partitions. Returns the runner's state."""
+        stage = self._stage()
+        if self.engine is None or stage == 0:  # the torch optimiser steps itself
+            return super().load_checkpoint(path, model, optimizer)
+        state = load_state_file(path)
+        weights = state.pop("model")
+        self.load_model_state_dict(model, weights)
+        saved = state.pop("optimizer", None)
+        if saved is None:
+            return state
+        named = named_optimizer_state(saved, self._group_names)
+        zero = self.engine.optimizer
+        import deepspeed
+
+        records = {"loss_scaler": zero.loss_scaler, "dynamic_loss_scale":
+                   zero.dynamic_loss_scale, "clip_grad": getattr(zero, "clip_grad", 0.0),
+                   "ds_version": deepspeed.__version__}
+        with tempfile.TemporaryDirectory(prefix="trainrun-universal-") as folder:
+            write_universal(folder, weights, named, records)
+            zero.load_state_dict(state_dict_list=None, load_optimizer_states=True,
+                                 load_from_fp32_weights=True, checkpoint_folder=folder)
+        _own_step_counts(zero)
+        if stage == 3:  # its loader gave every group the first group's settings
+            for group, saved_group in zip(zero.optimizer.param_groups, named["param_groups"],
+                                          strict=True):
+                group.update((key, value) for key, value in saved_group.items()
+                             if key != "params")
+        else:  # the model's weights from the fp32 master copies, as DeepSpeed's loading does
+            zero.update_lp_params()
+        return state
 
     def _load_engine(self, path: str | os.PathLike, universal: bool = False) -> None:
         """The engine's state from the DeepSpeed directory ``path``; ``universal``: one in

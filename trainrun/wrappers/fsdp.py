@@ -26,7 +26,13 @@ from torch import Tensor, nn
 
 from trainrun.checkpoint.dcp import check_metadata, quiet_single_process
 from trainrun.checkpoint.files import save_state_file
-from trainrun.checkpoint.optimizer_state import OPTIMIZER_MISMATCH_HINT, OptimizerMismatch
+from trainrun.checkpoint.format import checkpoint_format, load_state_file
+from trainrun.checkpoint.optimizer_state import (
+    OPTIMIZER_MISMATCH_HINT,
+    OptimizerMismatch,
+    named_optimizer_state,
+    optimizer_order,
+)
 from trainrun.checkpoint.train_state import TRAIN_STATE
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
 from trainrun.dist.device import DTYPE_ALIASES, DTYPES
@@ -495,6 +501,31 @@ class FSDPStrategy(Strategy):
                                     no_dist=not is_distributed())
         return getattr(saving, "upload_completion", saving)
 
+    def _load_whole(self, path: str, model: nn.Module,
+                    optimizer: Optimizers | None) -> dict[str, Any]:
+        """Restore model and optimiser from a checkpoint another strategy wrote, read whole
+        on every rank: each rank keeps its shard of the weights and of the optimiser's state
+        (its parameters matched by name). Returns the runner's state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = load_state_file(path)
+        module = self.unwrap(model)
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(module, state.pop("model"), options=whole)
+        saved = state.pop("optimizer", None)
+        if optimizer is not None and saved is not None:
+            named = named_optimizer_state(saved, optimizer_order(optimizer, module))
+            try:
+                set_optimizer_state_dict(module, optimizer, named, options=whole)
+            except (KeyError, ValueError) as error:
+                raise OptimizerMismatch(f"its optimiser state does not fit this run's "
+                                        f"optimiser ({error}): {OPTIMIZER_MISMATCH_HINT}") from None
+        return state
+
     def teardown(self) -> None:
         super().teardown()
         if self._save_group is not None and is_distributed():
@@ -504,9 +535,11 @@ class FSDPStrategy(Strategy):
     def load_checkpoint(self, path: str, model: nn.Module,
                         optimizer: Optimizers | None) -> dict[str, Any]:
         """Restore model and optimiser on every rank, resharding to this job's ranks; returns
-        the runner's state. Reads checkpoints of any world size."""
-        if not Path(path).is_dir():
-            return super().load_checkpoint(path, model, optimizer)
+        the runner's state. Reads checkpoints of any world size, and those of any other
+        strategy (`_load_whole`)."""
+        if checkpoint_format(path).name != self.FORMAT:
+            return self._load_whole(path, model, optimizer) if self._sharded(model) else \
+                super().load_checkpoint(path, model, optimizer)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 

@@ -217,7 +217,7 @@ class OptimWrapper:
         Args:
             state: what ``state_dict`` returned.
         """
-        self.micro_steps = state["micro_steps"]
+        self.micro_steps = state.get("micro_steps", 0)  # (none from a DeepSpeed engine)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if state.get("grads") is not None:
