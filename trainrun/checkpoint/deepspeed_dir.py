@@ -195,7 +195,9 @@ class DeepSpeedDirectory(CheckpointFormat):
             refuse_truncated(file)  # where DeepSpeed's reading would say "[Errno 22] ..."
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with weights_only_loads(path):
+        dropped = io.StringIO()  # its progress output: lines and bars in a run's log
+        with weights_only_loads(path), contextlib.redirect_stdout(dropped), \
+                contextlib.redirect_stderr(dropped):
             return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=TAG))
 
     @classmethod
