@@ -653,7 +653,7 @@ def end_agent(rank: int, grace: float = AGENT_GRACE) -> None:
         if os.getppid() == agent:  # (a parent that ended hands this process on at once)
             os.kill(agent, signal.SIGKILL)
             _say_error(f"rank {rank}: torchrun's agent (pid {agent}) cannot reach the job's "
-                       f"store either and did not end within {grace:.0f} s of a SIGTERM: "
+                       f"store either and did not end within {grace:g} s of a SIGTERM: "
                        "killed it (SIGKILL), so that the job ends on this node")
     except ProcessLookupError:  # it ended meanwhile
         pass
