@@ -292,6 +292,36 @@ def test_a_rank_ends_the_torchrun_agent_that_started_it_and_no_other_parent(
     assert bool(line) == killed, done.stderr
 
 
+class TimingOutStore:
+    """A store cut off from this rank whose calls give up after their timeout."""
+
+    host, port = "10.0.0.1", 29500
+
+    def __getattr__(self, name):
+        def call(*args):
+            raise torch_dist.DistStoreError("wait timeout after 5000ms")
+        return call
+
+
+@pytest.mark.parametrize("store, ends_agent", [(TimingOutStore(), True),
+                                               (RefusingStore(), False)])
+def test_a_rank_whose_collective_and_silent_store_failed_ends_its_agent_at_exit(
+        monkeypatch, store, ends_agent):
+    """The main thread's way out (its collective failed, then the store too): an agent that
+    cannot reach the store either is ended once the rank has said why (at its exit); one whose
+    store refuses finds that out by itself."""
+    from trainrun.runner.failures import tell_peers
+
+    registered = []
+    monkeypatch.setattr(heartbeat_module.atexit, "register",
+                        lambda *call: registered.append(call))
+    heartbeat = Heartbeat(store, 2, 4, silent_after=10, prefix="t")
+    with pytest.raises(dist.PeerFailure, match=r"rank 2: stopping: lost contact with the other "
+                       r"ranks \(Connection closed by peer\) and with the job's store"):
+        tell_peers(RuntimeError("Connection closed by peer"), heartbeat)
+    assert registered == ([(heartbeat_module.end_agent, 2)] if ends_agent else [])
+
+
 def test_what_a_stop_loses():
     dist.at_checkpoint("epoch_2.pth", 40)
     for step, said in ((None, "nothing since checkpoint epoch_2.pth is lost"),
