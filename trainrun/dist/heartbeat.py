@@ -605,9 +605,10 @@ def torchrun_agent() -> int | None:
     The agent is a worker's parent process. It counts only under torchrun
     (``TORCHELASTIC_RUN_ID`` set) when that parent is still the process that started this
     one and runs torch's elastic launcher: its command line is ``torchrun ...`` or
-    ``python -m torch.distributed.run ...``, or it is ``trainrun train --nproc``, which names
-    its own pid in ``TRAINRUN_AGENT_PID``. Any other parent (a shell script between
-    torchrun and this process, say) is never taken for it.
+    ``python -m torch.distributed.run ...`` (or the older ``torch.distributed.launch``), or it
+    is ``trainrun train --nproc``, which names its own pid in ``TRAINRUN_AGENT_PID``. Any
+    other parent (a shell script between torchrun and this process, say) is never taken for
+    it.
     """
     parent = os.getppid()
     if "TORCHELASTIC_RUN_ID" not in os.environ or parent != _PARENT or parent <= 1:
@@ -619,7 +620,8 @@ def torchrun_agent() -> int | None:
     except OSError:  # gone, or no /proc here
         return None
     programs = [os.path.basename(arg) for arg in argv[:2]]
-    if "torchrun" in programs or "torch.distributed.run" in argv or \
+    modules = ("torch.distributed.run", "torch.distributed.launch")  # (-m; launch runs run's)
+    if "torchrun" in programs or any(module in argv for module in modules) or \
             any(arg.endswith(os.path.join("torch", "distributed", "run.py")) for arg in argv[:2]):
         return parent
     return None
