@@ -7,6 +7,8 @@ tested from the command line in tests/tools/test_train_cli.py; here are its part
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ import torch.distributed as torch_dist
 
 import trainrun.dist as dist
 import trainrun.dist.heartbeat as heartbeat_module
+from tests.cli import env
 from trainrun.dist.heartbeat import Beat, Heartbeat, describe, rank_list
 
 
@@ -198,9 +201,10 @@ class RefusingStore:
 class LostHeartbeat(Heartbeat):
     """Records why the rank would stop, and when, instead of ending the process."""
 
-    def _exit_lost(self, reason: str) -> None:
+    def _exit_lost(self, reason: str, unanswered: bool = False) -> None:
         if not self._stop.is_set():
             self.lost.append((time.monotonic() - self.since, self.lost_contact(reason)))
+            self.ends_agent = unanswered
             self._stop.set()
 
 
@@ -212,6 +216,7 @@ def _lost(store, launcher=None, training=True, silent_after=0.6):
     heartbeat._guard.start()
     heartbeat._guard.join(timeout=10)
     assert heartbeat.lost, "the rank was never stopped"
+    assert heartbeat.ends_agent == isinstance(store, BlockedStore)  # only a silent store's
     return heartbeat.lost[0]
 
 
@@ -250,6 +255,71 @@ def test_a_rank_whose_launcher_died_stops(monkeypatch):
                              silent_after=10)
     assert seconds < 5  # at the guard's next look, long before any timeout
     assert message == "rank 1: stopping: its launcher (torchrun, pid -5) is gone"
+
+
+# a stand-in for torchrun's agent: starts one worker that ends its agent (as a rank does whose
+# store stopped answering), then waits for it; "stuck" ignores SIGTERM, as an agent blocked in a
+# store call does
+FAKE_AGENT = """
+import os, signal, subprocess, sys
+if sys.argv[1] == "stuck":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+env = {**os.environ, "TORCHELASTIC_RUN_ID": "t", "LOCAL_RANK": "0"}
+if sys.argv[2] == "names-itself":  # as trainrun train --nproc does
+    env["TRAINRUN_AGENT_PID"] = str(os.getpid())
+worker = subprocess.Popen([sys.executable, "-c", "from trainrun.dist.heartbeat import end_agent; "
+                           "end_agent(2, grace=0.5)"], env=env)
+sys.exit(worker.wait())
+"""
+
+
+@pytest.mark.parametrize("name, agent, naming, code, killed", [
+    ("torchrun", "stuck", "", -9, True),
+    ("torchrun", "responsive", "", -15, False),
+    ("launcher.py", "stuck", "names-itself", -9, True),
+    ("launcher.py", "stuck", "", 0, False),  # not torchrun's agent: never signalled
+])
+def test_a_rank_ends_the_torchrun_agent_that_started_it_and_no_other_parent(
+        tmp_path, name, agent, naming, code, killed):
+    script = tmp_path / name
+    script.write_text(FAKE_AGENT)
+    done = subprocess.run([sys.executable, str(script), agent, naming or "-"], env=env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    line = re.search(r"ERROR rank 2: torchrun's agent \(pid \d+\) cannot reach the job's store "
+                     r"either and did not end within 0.5 s of a SIGTERM: killed it \(SIGKILL\), "
+                     r"so that the job ends on this node", done.stderr)
+    assert bool(line) == killed, done.stderr
+
+
+class TimingOutStore:
+    """A store cut off from this rank whose calls give up after their timeout."""
+
+    host, port = "10.0.0.1", 29500
+
+    def __getattr__(self, name):
+        def call(*args):
+            raise torch_dist.DistStoreError("wait timeout after 5000ms")
+        return call
+
+
+@pytest.mark.parametrize("store, ends_agent", [(TimingOutStore(), True),
+                                               (RefusingStore(), False)])
+def test_a_rank_whose_collective_and_silent_store_failed_ends_its_agent_at_exit(
+        monkeypatch, store, ends_agent):
+    """The main thread's way out (its collective failed, then the store too): an agent that
+    cannot reach the store either is ended once the rank has said why (at its exit); one whose
+    store refuses finds that out by itself."""
+    from trainrun.runner.failures import tell_peers
+
+    registered = []
+    monkeypatch.setattr(heartbeat_module.atexit, "register",
+                        lambda *call: registered.append(call))
+    heartbeat = Heartbeat(store, 2, 4, silent_after=10, prefix="t")
+    with pytest.raises(dist.PeerFailure, match=r"rank 2: stopping: lost contact with the other "
+                       r"ranks \(Connection closed by peer\) and with the job's store"):
+        tell_peers(RuntimeError("Connection closed by peer"), heartbeat)
+    assert registered == ([(heartbeat_module.end_agent, 2)] if ends_agent else [])
 
 
 def test_what_a_stop_loses():

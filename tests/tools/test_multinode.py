@@ -78,11 +78,13 @@ def two_nodes():
             _ip("netns", "delete", name)  # takes its end of the veth pair, and so both
 
 
-def _start_nodes(nodes, work_dir: Path, options: list[str], resume: bool = False):
+def _start_nodes(nodes, work_dir: Path, options: list[str], resume: bool = False,
+                 logs: Path | None = None):
     """``torchrun --nnodes 2`` in each namespace of ``nodes``, training the digits config
     into ``work_dir`` with ``options``; the first node hosts the rendezvous (torchrun cannot
     tell from the hostname, which both namespaces share, as it cannot on a cluster whose
-    nodes name themselves alike)."""
+    nodes name themselves alike). Each node's output comes through pipes, or goes to
+    ``logs/node<i>.out`` and ``.err`` (a test that polls the processes reads no pipe)."""
     endpoint = f"{nodes[0][2]}:{free_port()}"
     jobs = []
     for index, (name, interface, address) in enumerate(nodes):
@@ -92,9 +94,15 @@ def _start_nodes(nodes, work_dir: Path, options: list[str], resume: bool = False
                "--rdzv-conf", f"is_host={int(index == 0)}",
                str(TRAIN), str(CONFIG), "--launcher", "pytorch", "--work-dir", str(work_dir),
                *(["--resume"] if resume else []), "--cfg-options", *options]
+        out = err = subprocess.PIPE
+        if logs is not None:
+            out, err = (open(logs / f"node{index}.{kind}", "w") for kind in ("out", "err"))
         jobs.append(subprocess.Popen(cmd, env={**env(), "GLOO_SOCKET_IFNAME": interface},
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     stdout=out, stderr=err, text=True,
                                      start_new_session=True))
+        if logs is not None:
+            out.close()
+            err.close()
     return jobs
 
 
@@ -205,3 +213,74 @@ def test_a_partition_ends_both_sides_and_resume_continues_exactly(two_nodes, tmp
     records = train_records(work_dir)  # the first job's steps after the checkpoint taken out
     assert [r["step"] for r in records] == list(range(1, 41))
     assert all(r["loss"] == first[r["step"]] for r in records if r["step"] in first)
+
+
+# ---------------------------------------------------------------- torchrun's agents after a cut
+
+def _link_down(nodes) -> None:
+    """Take the second node's end of the link down (its cable pulled, its switch port dead):
+    that node loses its route to the first, which hosts the rendezvous store."""
+    name, interface, _ = nodes[1]
+    done = _ip("-n", name, "link", "set", interface, "down")
+    if done.returncode != 0:
+        pytest.skip(f"cannot take the link down here: {done.stderr.strip()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", ["link down", "packets dropped"])
+def test_a_cut_ends_the_torchrun_agent_on_each_side(two_nodes, tmp_path, cut):
+    """Cut mid-run, both kinds: each node's torchrun process (its agent) ends non-zero within
+    dist_timeout + 60 s of the cut, nothing left running, each side saying why. With the link
+    down, the agent cut off from the rendezvous store blocks in a store call for minutes
+    (measured: over 200 s): its workers end it as they stop for the silent store."""
+    work_dir, logs, timeout = tmp_path / "run", tmp_path / "logs", 10
+    logs.mkdir()
+    options = ["schedule.max_epochs=null", "schedule.max_iters=5000", "checkpoint.interval=10",
+               "logging.interval=1", "schedule.val_interval=100000",
+               "model.type=tests.tools.models.SlowDigitsMLP", "model.step_seconds=0.05",
+               f"dist_timeout={timeout}"]
+    jobs = _start_nodes(two_nodes, work_dir, options, logs=logs)
+    ended: dict[int, tuple[float, int]] = {}
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (work_dir / "metrics.jsonl").exists() or \
+                max((r["step"] for r in train_records(work_dir)), default=0) < 12:
+            assert all(job.poll() is None for job in jobs), "a node ended before step 12"
+            assert time.monotonic() < deadline, "no step 12 in 180 s"
+            time.sleep(0.05)
+        workers = [pid for job in jobs for pid in descendants(job.pid)
+                   if "train.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        if cut == "link down":
+            _link_down(two_nodes)
+        else:
+            _cut(two_nodes, True)
+        started = time.monotonic()
+        before = max(r["step"] for r in train_records(work_dir))
+        while len(ended) < len(jobs) and time.monotonic() - started < timeout + 60:
+            for index, job in enumerate(jobs):
+                if index not in ended and job.poll() is not None:
+                    ended[index] = (time.monotonic() - started, job.returncode)
+            time.sleep(0.1)
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, 9)
+        for pid in workers:  # (in sessions of their own: not in the agent's group)
+            if alive(pid):
+                os.kill(pid, 9)
+    errs = [(logs / f"node{index}.err").read_text() for index in range(len(jobs))]
+    assert sorted(ended) == [0, 1], f"torchrun still running {timeout + 60} s after the cut: " \
+        f"{sorted(set(range(len(jobs))) - set(ended))}\n{errs[1][-3000:]}"
+    assert all(code != 0 for _, code in ended.values()), ended
+    assert len(workers) == 2 * NPROC
+    assert not [pid for pid in workers if alive(pid)], "workers left running after the cut"
+    # the cut landed mid-run: training lines before it, the run far from its end after it
+    steps = [r["step"] for r in train_records(work_dir)]
+    assert 12 <= before <= max(steps) < 5000
+    # the store's side names the ranks it lost; the other side says it lost the store
+    assert re.search(r"stopping every rank: rank 2 silent for \d+ s, last seen at step \d+ "
+                     r"in [^;]+; rank 3 silent", errs[0]), errs[0][-3000:]
+    assert re.search(rf"rank [23]: stopping: (?:no answer from|lost contact with the other "
+                     rf"ranks \([^)]*\) and with) the job's store at {two_nodes[0][2]}:\d+",
+                     errs[1]), errs[1][-3000:]

@@ -141,13 +141,18 @@ def launch_workers(nproc: int, worker_args: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from trainrun.dist.heartbeat import AGENT_PID
+
     arguments = parse_args(launch_command(nproc, worker_args))
     sys.stdout.flush()
     sys.stderr.flush()
     failure: tuple[int, int] | None = None
     signum: int | None = None
+    # the workers' heartbeat ends this process when its store stops answering them
+    # (trainrun.dist.heartbeat.end_agent): it knows this process by the pid named here
     with tempfile.TemporaryDirectory(prefix="trainrun-ranks-") as directory, \
-            _environment(REPORT_DIR, directory), _handlers_kept():
+            _environment(REPORT_DIR, directory), _environment(AGENT_PID, str(os.getpid())), \
+            _handlers_kept():
         try:
             run(arguments)
         except ChildFailedError as error:

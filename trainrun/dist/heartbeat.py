@@ -14,7 +14,9 @@ launcher died (torchrun, srun or mpirun; a worker of a dead launcher would other
 on and write into a run directory a requeued job may be using), the store refuses or resets
 connections (its host died), or the store has not answered for the collective timeout (its
 host froze, or this node is cut off). Each rank then says in one line, on stderr only, what
-was lost since the newest checkpoint.
+was lost since the newest checkpoint. A store that does not answer blocks torchrun's agent
+too (for minutes, in a rendezvous store call, with its exited workers unreaped), so a rank
+that stops for that ends the agent that started it as well (``end_agent``).
 
 The main thread only records its place (``at_step``, ``phase``, ``at_checkpoint``:
 attribute writes, no I/O).
@@ -22,17 +24,20 @@ attribute writes, no I/O).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch.distributed as torch_dist
@@ -246,15 +251,21 @@ def _flush_logs() -> None:
             pass
 
 
-def exit_saying(message: str) -> NoReturn:
-    """End this process now with ``message`` as one ERROR line on stderr only: it stopped
-    because the job was lost to it, and the run directory may be another job's by now. A
-    stderr whose reader is gone (a dead launcher held the pipe) does not keep it alive."""
+def _say_error(message: str) -> None:
+    """``message`` as one ERROR line on stderr only; a stderr whose reader is gone (a dead
+    launcher held the pipe) is passed over."""
     try:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR {message}", file=sys.stderr,
               flush=True)
     except (OSError, ValueError):  # nobody can be told
         pass
+
+
+def exit_saying(message: str) -> NoReturn:
+    """End this process now with ``message`` as one ERROR line on stderr only: it stopped
+    because the job was lost to it, and the run directory may be another job's by now. A
+    stderr whose reader is gone (a dead launcher held the pipe) does not keep it alive."""
+    _say_error(message)
     os._exit(RANK_LOST_EXIT)
 
 
@@ -342,6 +353,7 @@ class Heartbeat:
         self.training = training  # a stop loses the steps since the newest checkpoint
         self.failing = False  # set once this rank's main thread handles a failure itself
         self._concluding, self._concluded = threading.Lock(), False
+        self._agent_ended_at_exit = False
         self._seq = 0
         self._reported: set[int] = set()  # ranks whose beat key this rank has seen
         self._due = 0.0  # when this rank's next beat is due (monotonic clock)
@@ -439,18 +451,33 @@ class Heartbeat:
                 self._exit_lost(f"no answer from the job's store at {self.address} for "
                                 f"{unanswered:.0f} s: its host froze, or the network between "
                                 "this node and it is down, so the other ranks cannot be "
-                                "reached either")
+                                "reached either", unanswered=True)
 
     def lost_contact(self, reason: str) -> str:
         """One line: this rank stops because of ``reason``, and what that loses."""
         line = f"rank {self.rank}: stopping: {reason}"
         return f"{line}; {lost_work()}" if self.training else line
 
-    def _exit_lost(self, reason: str) -> None:
+    def _exit_lost(self, reason: str, unanswered: bool = False) -> None:
         """Say why this rank stops, on stderr only (a job that lost its launcher writes
-        nothing more into the run directory, which a requeued job may use), and end it."""
-        if not self._stop.is_set():
+        nothing more into the run directory, which a requeued job may use), and end it.
+        ``unanswered``: the store did not answer, so torchrun's agent is ended too
+        (``end_agent``)."""
+        if self._stop.is_set():
+            return
+        if not unanswered:
             exit_saying(self.lost_contact(reason))
+        _say_error(self.lost_contact(reason))
+        end_agent(self.rank)
+        os._exit(RANK_LOST_EXIT)
+
+    def end_agent_at_exit(self) -> None:
+        """Have this process end torchrun's agent as it exits (``end_agent``), after it has
+        said why it stops: the store did not answer this rank's main thread, so the agent's
+        calls to it block as well. For a rank that stops by raising, not from this thread."""
+        if not self._agent_ended_at_exit:
+            self._agent_ended_at_exit = True
+            atexit.register(end_agent, self.rank)
 
     def _stop_for_posted(self) -> None:
         """Another rank posted why the job stops: say so (once for the job), then give this
@@ -562,6 +589,76 @@ class Heartbeat:
         message, culprits = self.posted()
         self.conclude(message, culprits)
         return message
+
+
+# ---------------------------------------------------------------- torchrun's agent
+
+# Set by ``trainrun train --nproc`` for its workers: the pid of the process that runs
+# torchrun's agent in-process (its command line is trainrun's, not torchrun's).
+AGENT_PID = "TRAINRUN_AGENT_PID"
+AGENT_GRACE = 5.0  # seconds torchrun's agent gets to end after a SIGTERM, before a SIGKILL
+
+
+def torchrun_agent() -> int | None:
+    """The pid of the torchrun agent that started this process, while it runs; else None.
+
+    The agent is a worker's parent process. It counts only under torchrun
+    (``TORCHELASTIC_RUN_ID`` set) when that parent is still the process that started this
+    one and runs torch's elastic launcher: its command line is ``torchrun ...`` or
+    ``python -m torch.distributed.run ...`` (or the older ``torch.distributed.launch``), or it
+    is ``trainrun train --nproc``, which names its own pid in ``TRAINRUN_AGENT_PID``. Any
+    other parent (a shell script between torchrun and this process, say) is never taken for
+    it.
+    """
+    parent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ or parent != _PARENT or parent <= 1:
+        return None
+    if os.environ.get(AGENT_PID) == str(parent):
+        return parent
+    try:
+        argv = Path(f"/proc/{parent}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:  # gone, or no /proc here
+        return None
+    programs = [os.path.basename(arg) for arg in argv[:2]]
+    modules = ("torch.distributed.run", "torch.distributed.launch")  # (-m; launch runs run's)
+    if "torchrun" in programs or any(module in argv for module in modules) or \
+            any(arg.endswith(os.path.join("torch", "distributed", "run.py")) for arg in argv[:2]):
+        return parent
+    return None
+
+
+def end_agent(rank: int, grace: float = AGENT_GRACE) -> None:
+    """End the torchrun agent that started this process (``torchrun_agent``), if any.
+
+    For a rank that stops because the job's store does not answer: the agent's own calls to
+    that store (its rendezvous keep-alive, ``num_nodes_waiting``) then block too, for
+    minutes when the link to the store's host went down, and it reaps none of its exited
+    workers, so a cluster job would hold its nodes until its time limit. The agent gets a
+    SIGTERM (it then stops its workers and exits non-zero) and ``grace`` seconds; one still
+    blocked in a store call does not act on it, and gets a SIGKILL, said in one line.
+
+    Args:
+        rank: this process's rank, for the line.
+        grace: seconds between the SIGTERM and the SIGKILL.
+    """
+    agent = torchrun_agent()
+    if agent is None:
+        return
+    # every rank of the node gets here at about the same time: the lowest local rank kills
+    # the agent first, and the others find it gone, so the node says so once
+    grace += 0.2 * int(os.environ.get("LOCAL_RANK") or 0)
+    try:
+        os.kill(agent, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while os.getppid() == agent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() == agent:  # (a parent that ended hands this process on at once)
+            os.kill(agent, signal.SIGKILL)
+            _say_error(f"rank {rank}: torchrun's agent (pid {agent}) cannot reach the job's "
+                       f"store either and did not end within {grace:g} s of a SIGTERM: "
+                       "killed it (SIGKILL), so that the job ends on this node")
+    except ProcessLookupError:  # it ended meanwhile
+        pass
 
 
 # ---------------------------------------------------------------- starting and stopping

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from trainrun.dist import PeerFailure, is_comm_error
-from trainrun.dist.heartbeat import Heartbeat, error_sentence
+from trainrun.dist.heartbeat import Heartbeat, error_sentence, is_connection_lost
 from trainrun.runner.preemption import Preempted
 
 if TYPE_CHECKING:
@@ -86,4 +86,6 @@ def tell_peers(error: Exception, heartbeat: Heartbeat | None) -> None:
         why = PeerFailure(heartbeat.lost_contact(
             f"lost contact with the other ranks ({error_sentence(error)}) and with the job's store "
             f"at {heartbeat.address} ({error_sentence(store_error)})"), said=False)
+        if not is_connection_lost(store_error):  # unreachable, not gone: the agent blocks too
+            heartbeat.end_agent_at_exit()
     raise why from error
