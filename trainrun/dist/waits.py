@@ -1,12 +1,16 @@
-"""How long this rank waits at the end of backward for its gradient collectives.
+"""How long this rank waits in collectives: for its gradients at the end of backward, and in
+the runner's own small collectives between steps.
 
 In synchronous data parallelism the ranks meet in the gradient collectives (DDP's bucket
 all-reduces, fully sharded data parallel's reduce-scatters, DeepSpeed's reduction): the ranks
 that finish their own work first wait there for the last one, or for a slow link. Autograd
 calls back once it has computed this rank's gradients; the time from then until backward
-returns is that wait. Measured with the CPU's clock only: no device synchronisation is added,
-so on a GPU whose collectives wait on the device (NCCL) it is close to nothing and the wait
-shows in the time around it instead.
+returns is that wait (`waiting_for_gradients`). Between steps the runner waits in a few
+collectives of its own (the agreement on a stop signal, the logged numbers reaching rank 0):
+`waiting` times those blocks whole. Measured with the CPU's clock only: no device
+synchronisation is added, so on a GPU whose collectives wait on the device (NCCL) the wait is
+close to nothing and shows in the time around it instead. Nothing is measured in a process
+without a process group.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from torch.autograd import Variable
 
 
 class _Clock:
-    """This process's wait so far, and when autograd finished the current backward."""
+    """This process's wait since it was last taken, and when autograd finished the current
+    backward."""
 
     waited = 0.0
     ready: float | None = None
@@ -40,8 +45,7 @@ class waiting_for_gradients:  # noqa: N801 - used as a context manager, like a f
     """Around a backward of ``loss``: adds the time spent after autograd computed this rank's
     gradients (waiting for the gradient collectives) to what `take_gradient_wait` returns.
 
-    Nothing is measured in a process without a process group, or when ``loss`` needs no
-    gradient.
+    Nothing is measured when ``loss`` needs no gradient.
 
     Args:
         loss: the tensor whose backward runs inside the block.
@@ -50,8 +54,7 @@ class waiting_for_gradients:  # noqa: N801 - used as a context manager, like a f
     __slots__ = ("armed",)
 
     def __init__(self, loss: torch.Tensor) -> None:
-        self.armed = bool(loss.requires_grad and torch_dist.is_available()
-                          and torch_dist.is_initialized())
+        self.armed = bool(loss.requires_grad and _grouped())
         if self.armed:
             loss.register_hook(_on_loss_grad)
 
@@ -64,11 +67,29 @@ class waiting_for_gradients:  # noqa: N801 - used as a context manager, like a f
             _Clock.waited += time.perf_counter() - ready
 
 
-def take_gradient_wait() -> float:
-    """The seconds waited for gradient collectives since the last call (0.0 if none).
+class waiting:  # noqa: N801 - used as a context manager, like a function
+    """Around a collective (or a wait for one): adds the block's time to what `take_wait`
+    returns."""
+
+    __slots__ = ("started",)
+
+    def __enter__(self) -> None:
+        self.started = time.perf_counter() if _grouped() else None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.started is not None:
+            _Clock.waited += time.perf_counter() - self.started
+
+
+def _grouped() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def take_wait() -> float:
+    """The seconds waited in collectives since the last call (0.0 if none).
 
     Returns:
-        The wait the `waiting_for_gradients` blocks measured since then.
+        What the `waiting_for_gradients` and `waiting` blocks measured since then.
     """
     waited, _Clock.waited = _Clock.waited, 0.0
     return waited

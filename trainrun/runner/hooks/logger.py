@@ -42,6 +42,7 @@ from trainrun.dist import (
     get_dist_info,
     is_main_process,
 )
+from trainrun.dist.waits import waiting
 from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
 from trainrun.runner.hooks.stragglers import StragglerWatch
@@ -218,7 +219,8 @@ class LoggerHook(Hook):
         pending, self._pending = self._pending, None
         if pending is None or not (wait or pending.gathering.is_completed()):
             return
-        record = pending.record()
+        with waiting():  # for the other ranks' numbers, if they are not in yet
+            record = pending.record()
         if record is None:  # not rank 0
             return
         if "jsonl" in self.backends:

@@ -10,15 +10,15 @@ from typing import Any
 
 from torch import Tensor
 
-from trainrun.dist.waits import take_gradient_wait
+from trainrun.dist.waits import take_wait
 from trainrun.runner.hooks.base import TIMER, Hook
 
 TOKENS = "num_tokens"  # the key of a dict batch that states how many tokens it holds
 # over the timer's window: the seconds its iterations took, their samples, and their tokens
 Window = tuple[float, int, int | None]
 # where an iteration's seconds went, in this order: waiting for the batch (with the hooks
-# between iterations), the rest (forward, backward, optimiser step), waiting in the gradient
-# collectives at the end of backward
+# between iterations), the rest (forward, backward, optimiser step), waiting in collectives
+# (the gradients' at the end of backward, the runner's own between iterations)
 PHASES = ("data", "compute", "comm")
 
 
@@ -50,10 +50,11 @@ def batch_counts(batch: Any) -> tuple[int, int | None]:
 
 
 class IterTimerHook(Hook):
-    """Keeps the iteration and data times, the time waited for the gradient collectives, and
-    the samples (and tokens) of this rank's batches (unless ``count_batches`` is false: the
-    logger's step metrics are off), over the last ``window`` iterations; and the phases'
-    seconds since they were last taken (`take_phases`)."""
+    """Keeps the iteration and data times, the time waited in collectives
+    (`trainrun.dist.waits`; not counted in the data time), and the samples (and tokens) of
+    this rank's batches (unless ``count_batches`` is false: the logger's step metrics are
+    off), over the last ``window`` iterations; and the phases' seconds since they were last
+    taken (`take_phases`)."""
 
     priority = TIMER  # see hooks/base.py for the order
 
@@ -68,12 +69,15 @@ class IterTimerHook(Hook):
         self.samples: deque[int] = deque(maxlen=window)
         self.tokens: deque[int | None] = deque(maxlen=window)
         self._last = 0.0
+        self._between = 0.0  # waited in collectives since the last iteration ended
 
     def before_train_epoch(self, runner: Any) -> None:
         self._last = time.perf_counter()
+        take_wait()  # what was waited before is no iteration's
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
-        waited = time.perf_counter() - self._last
+        now, self._between = time.perf_counter(), take_wait()
+        waited = max(now - self._last - self._between, 0.0)
         self.data_times.append(waited)
         self._since[0] += waited
         if self.count_batches:
@@ -84,7 +88,7 @@ class IterTimerHook(Hook):
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
         now = time.perf_counter()
-        seconds, waited = now - self._last, take_gradient_wait()
+        seconds, waited = now - self._last, self._between + take_wait()
         self.iter_times.append(seconds)
         self.comm_times.append(waited)
         since = self._since
@@ -95,6 +99,7 @@ class IterTimerHook(Hook):
 
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
         self._last = time.perf_counter()  # validation time is not an iteration's
+        take_wait()
 
     @property
     def iter_time(self) -> float:
