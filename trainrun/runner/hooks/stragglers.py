@@ -6,7 +6,8 @@ wait for, and a straggler shows twice: its own phase (data loading or compute) i
 the other ranks', and the other ranks' wait in communication is longer than its own by about
 as much. The logger hands `StragglerWatch` every rank's phase times of each logged interval
 (`trainrun.runner.hooks.timer.PHASES`, each rank's means since the last logged line); rank 0
-logs a warning once the same rank stood out in the same phase on every line for a while.
+logs a warning once the same rank stood out in the same phase on `LINES` lines in a row,
+over `STEPS` steps at least (a one-off pause, the first step's set-up, is not a straggler).
 
 A rank stands out in a phase when its time there is at least `RATIO` times the median of the
 other ranks' and longer by at least `SHARE` of the iteration: what the straggler costs every
@@ -30,7 +31,7 @@ from trainrun.runner.hooks.timer import PHASES
 RATIO = 1.5  # a straggler's phase time, at least, against the median of the other ranks'
 SHARE = 0.1  # and longer by at least this share of the iteration's time
 LINES = 2  # the same straggler on this many logged lines in a row, at least
-STEPS = 20  # and over this many steps, at least, before it is named
+STEPS = 10  # and over this many steps, at least, before it is named
 # the phases as a log line names them
 PHASE_NAMES = {"data": "data loading", "compute": "compute", "comm": "communication"}
 
