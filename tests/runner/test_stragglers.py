@@ -7,12 +7,11 @@ import json
 import re
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
 import trainrun.dist as dist
-from tests.runner.toy import ToyRegression
+from tests.runner.toy import ToyModel, ToyRegression
 from trainrun.runner.hooks.stragglers import StragglerWatch, standout
 from trainrun.runner.runner import Runner
 
@@ -93,11 +92,24 @@ class SlowOnOneRank(ToyRegression):
         return super().__getitem__(index)
 
 
-def _slow_data_body(work_dir):
+class SlowModelOnOneRank(ToyModel):
+    """``ToyModel`` whose training forward takes ``seconds`` more on rank ``slow_rank``."""
+
+    def __init__(self, slow_rank: int = 1, seconds: float = 0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds if dist.get_rank() == slow_rank else 0.0
+
+    def forward(self, batch, mode="loss"):
+        if self.seconds and mode == "loss":
+            time.sleep(self.seconds)
+        return super().forward(batch, mode)
+
+
+def _slow_body(work_dir, data="tests.runner.test_stragglers.SlowOnOneRank",
+               model="tests.runner.toy.ToyModel"):
     runner = Runner(
-        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
-        train_dataloader={"type": "tests.runner.test_stragglers.SlowOnOneRank", "size": 256,
-                          "batch_size": 4},
+        model={"type": model}, work_dir=work_dir,
+        train_dataloader={"type": data, "size": 256, "batch_size": 4},
         optim={"type": "SGD", "lr": 0.01}, strategy="ddp", schedule={"max_iters": 30},
         logging={"interval": 5, "backends": ["console", "jsonl"]},
         checkpoint={"interval": 0},
@@ -109,7 +121,7 @@ def _slow_data_body(work_dir):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_with_slow_data_is_named_with_its_host_and_phase(run_on, tmp_path, world_size):
-    hosts = run_on(world_size)(_slow_data_body, str(tmp_path))
+    hosts = run_on(world_size)(_slow_body, str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "mode" not in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
@@ -135,18 +147,15 @@ def test_a_rank_with_slow_data_is_named_with_its_host_and_phase(run_on, tmp_path
     assert sum("step " in line and "/30" in line for line in lines[:named]) <= 4
 
 
-def _even_body(work_dir):
-    runner = Runner(
-        model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
-        train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 256,
-                          "batch_size": 4},
-        optim={"type": "SGD", "lr": 0.01}, strategy="ddp", schedule={"max_iters": 40},
-        logging={"interval": 5, "backends": ["jsonl"]}, checkpoint={"interval": 0},
-    )
-    runner.train()
-    runner.close()
-
-
-def test_ranks_alike_are_named_nowhere(run_on, tmp_path):
-    run_on(2)(_even_body, str(tmp_path))
-    assert "straggler" not in Path(tmp_path, "train.log").read_text()
+def test_a_rank_with_slow_compute_is_named_in_compute_not_the_ranks_that_wait(run_on, tmp_path):
+    """The others' wait for it is in comm_time (at the end of backward), not in compute."""
+    hosts = run_on(2)(_slow_body, str(tmp_path), "tests.runner.toy.ToyRegression",
+                      "tests.runner.test_stragglers.SlowModelOnOneRank")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for record in (r for r in records if "mode" not in r):
+        assert record["compute_time_max_rank"] == 1 and record["comm_time_max_rank"] == 0
+        assert record["compute_time_max"] > 0.02 > record["compute_time"]  # rank 0's own
+        assert record["comm_time"] > 0.015  # rank 0 waits for rank 1
+    log = (tmp_path / "train.log").read_text()
+    assert re.search(rf"WARNING straggler: rank 1 \(host {re.escape(hosts[1])}\) is the "
+                     r"slowest in compute for the last \d+ steps", log), log

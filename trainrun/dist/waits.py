@@ -43,7 +43,7 @@ def _on_loss_grad(grad: torch.Tensor) -> None:
 
 class waiting_for_gradients:  # noqa: N801 - used as a context manager, like a function
     """Around a backward of ``loss``: adds the time spent after autograd computed this rank's
-    gradients (waiting for the gradient collectives) to what `take_gradient_wait` returns.
+    gradients (waiting for the gradient collectives) to what `take_wait` returns.
 
     Nothing is measured when ``loss`` needs no gradient.
 

@@ -58,7 +58,7 @@ WINDOW = 1  # steps each logged training value is the mean of (1: the logged ste
 BACKENDS = ("console", "jsonl")  # where they go by default; the logger's own outputs
 # What every logged training line adds to the model's values and lr (docs/hooks-and-trackers.md,
 # "Step metrics"): grad_norm (grad_norm/<name> per optimiser of a dict), and:
-# seconds an iteration: all, waiting for data, the rest, waiting in the gradient collectives
+# seconds an iteration: all, waiting for data, the rest, waiting in collectives
 TIMES = ("time", "data_time", "compute_time", "comm_time")
 # with several ranks: each phase's largest time over the ranks, and that rank
 PHASE_MAXIMA = tuple(f"{phase}_time_max{rank}" for phase in PHASES for rank in ("", "_rank"))
@@ -124,6 +124,7 @@ class LoggerHook(Hook):
         self._started = (time.monotonic(), runner.iter)
         self._measuring = None
         self._compare_ranks = self.step_metrics and get_dist_info()[1] > 1
+        self._stragglers = None
         if self._compare_ranks:  # every rank's host, once, for the straggler warnings
             hosts = gather_object(socket.gethostname())
             self._stragglers = StragglerWatch(hosts) if hosts is not None else None
@@ -493,8 +494,8 @@ def own_step_metrics(runner: Any, window: Window, compute_time: float,
                      comm_time: float = 0.0) -> dict[str, Any]:
     """Rank 0's part of a logged step's step metrics, taken at the step: its gradient norms
     (where its optimiser stepped), compute time (the timer's iteration time less its data
-    time and its wait in the gradient collectives), that wait, and the timer's ``window``
-    (seconds, whether every batch stated its tokens)."""
+    time and its wait in collectives), that wait, and the timer's ``window`` (seconds,
+    whether every batch stated its tokens)."""
     seconds, _, tokens = window
     return {"norms": grad_norms(runner.optim_wrapper),
             "compute_time": max(compute_time, 0.0), "comm_time": comm_time,
@@ -503,7 +504,7 @@ def own_step_metrics(runner: Any, window: Window, compute_time: float,
 
 def step_metrics(own: dict[str, Any], counts: list[list[float]]) -> dict[str, float]:
     """The step metrics of a logged line, on rank 0: the gradient norm of the step, compute
-    time (and with several ranks the wait in the gradient collectives), samples (and tokens)
+    time (and with several ranks the wait in collectives), samples (and tokens)
     a second of all ranks over the timer's window, the largest peak memory of any rank, and
     with several ranks each phase's largest mean time over the ranks and that rank (the
     first of equal ones); ``own`` is `own_step_metrics`, ``counts`` every rank's
