@@ -11,15 +11,16 @@ import time
 import pytest
 
 import trainrun.dist as dist
+import trainrun.dist.heartbeat as heartbeat
 from tests.runner.toy import ToyModel, ToyRegression
-from trainrun.runner.hooks.stragglers import StragglerWatch, standout
+from trainrun.runner.hooks.stragglers import LINK, StragglerWatch, standout
 from trainrun.runner.runner import Runner
 
 HOSTS = ["node-a", "node-b", "node-c"]
 
 
-def _interval(data=0.001, compute=0.01, comm=0.002, steps=10):
-    return [data, compute, comm, steps]
+def _interval(data=0.001, compute=0.01, comm=0.002, steps=10, trip=0.0002):
+    return [data, compute, comm, steps, trip]
 
 
 def test_the_rank_slow_in_data_stands_out_not_the_ones_that_wait_for_it():
@@ -46,6 +47,41 @@ def test_small_or_even_differences_name_no_one():
     # every rank's collectives slow alike (a slow link)
     assert standout([_interval(comm=0.1), _interval(comm=0.11), _interval(comm=0.1)]) is None
     assert standout([_interval()]) is None
+
+
+def test_a_node_whose_store_round_trip_is_slow_is_named_in_communication():
+    """A slow link to node 1 (ranks 2 and 3): every rank waits in its collectives alike,
+    node 1's heartbeat takes 50 ms more to reach the store on node 0."""
+    ranks = [_interval(comm=0.12), _interval(comm=0.12), _interval(comm=0.12, trip=0.0502),
+             _interval(comm=0.12, trip=0.0503)]
+    assert standout(ranks) == (3, LINK, 0.0503, 0.0002)
+    # where a rank's own work stands out, that is the answer, whatever the round trips say
+    ranks[1] = _interval(compute=0.05, comm=0.08)
+    assert standout(ranks)[:2] == (1, 1)
+    # round trips a few ms long are no slow link
+    assert standout([_interval(comm=0.12, trip=0.008), _interval(comm=0.12)]) is None
+    watch = StragglerWatch(HOSTS[:2])
+    slow = [_interval(comm=0.12), _interval(comm=0.12, trip=0.05)]
+    assert watch.update(slow) == []
+    [(level, message)] = watch.update(slow)
+    assert message == ("straggler: rank 1 (host node-b) is the slowest in communication for "
+                       "the last 20 steps: its round trip to the job's store takes 250.0 times "
+                       "the median of the other ranks' (0.0500 s against 0.0002 s), as on a "
+                       "slow link to its node, which every rank's collectives wait on "
+                       "(comm_time in metrics.jsonl)")
+
+
+def test_the_store_round_trip_is_the_median_of_the_last_three_beats(monkeypatch):
+    monkeypatch.setattr(heartbeat._place, "round_trips", heartbeat.deque(maxlen=3))
+    trips = heartbeat._place.round_trips
+    trips.append(0.3)
+    assert heartbeat.store_round_trip() == 0.0  # one beat is not enough
+    trips.append(0.001)
+    assert heartbeat.store_round_trip() == 0.001  # nor one slow beat
+    trips.extend([0.002, 0.05])
+    assert heartbeat.store_round_trip() == 0.002
+    trips.append(0.06)
+    assert heartbeat.store_round_trip() == 0.05  # two slow beats of the last three
 
 
 def test_the_warning_comes_once_after_enough_lines_and_steps_and_clears():

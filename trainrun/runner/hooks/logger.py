@@ -42,6 +42,7 @@ from trainrun.dist import (
     get_dist_info,
     is_main_process,
 )
+from trainrun.dist.heartbeat import store_round_trip
 from trainrun.dist.waits import waiting
 from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
@@ -174,8 +175,8 @@ class LoggerHook(Hook):
         # every rank takes part; outputs are left as they are, for the hooks after this one
         # the timer's window, read once: this rank's counts and rank 0's own metrics share it
         window = runner.timer.window_counts() if self.step_metrics else None
-        phases = (*runner.timer.phase_times(), *runner.timer.take_phases()) \
-            if self._compare_ranks else ()
+        phases = (*runner.timer.phase_times(), *runner.timer.take_phases(),
+                  store_round_trip()) if self._compare_ranks else ()
         counts = rank_counts(window, runner.device, phases) if window is not None else None
         values = outputs if self.window == 1 else window_means(self._recent, outputs)
         self._pending = LoggedStep(runner, start_gather(values, counts), window)
@@ -371,7 +372,8 @@ def rank_counts(window: Window, device: torch.device, phases: Sequence[float] = 
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
     over the timer's ``window`` (`IterTimerHook.window_counts`; tokens 0 where its batches
     state none), its peak memory, then ``phases`` as they are: with several ranks, the
-    timer's `IterTimerHook.phase_times` and `IterTimerHook.take_phases`."""
+    timer's `IterTimerHook.phase_times` and `IterTimerHook.take_phases`, and the heartbeat's
+    `trainrun.dist.heartbeat.store_round_trip`."""
     _, samples, tokens = window
     return [float(samples), float(tokens or 0), peak_memory_mb(device), *phases]
 

@@ -18,7 +18,11 @@ work shorter than the others' (a rank that waits for a straggler is not one).
 
 A slow link to one node slows the collectives of every rank alike (measured: a
 rate-limited link between two nodes of two ranks each, every rank's wait grew the same), so
-it shows in every rank's ``comm_time``, not as a straggler.
+it shows in every rank's ``comm_time``, not in one rank's. What tells that node's ranks apart
+is the heartbeat's round trip to the job's store (`trainrun.dist.heartbeat.store_round_trip`):
+where no rank's phase stands out, a rank whose round trip is at least `RATIO` times the
+other ranks' median and longer by `LINK_FLOOR` at least is named in communication, as on a
+slow link (to the store's host: with two nodes, the link between them).
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ RATIO = 1.5  # a straggler's phase time, at least, against the median of the oth
 SHARE = 0.1  # and longer by at least this share of the iteration's time
 LINES = 2  # the same straggler on this many logged lines in a row, at least
 STEPS = 10  # and over this many steps, at least, before it is named
+LINK_FLOOR = 0.02  # seconds a slow link's store round trip is longer than the others', at least
+LINK = len(PHASES)  # the phase index `standout` gives a slow link (named in communication)
+TRIP = len(PHASES) + 1  # where an `Interval` holds the store's round trip
 # the phases as a log line names them
 PHASE_NAMES = {"data": "data loading", "compute": "compute", "comm": "communication"}
 
 # one rank's phase times of one logged interval: the mean seconds an iteration of each of
-# PHASES, then the iterations
+# PHASES, then the iterations, then its heartbeat's round trip to the store (seconds)
 Interval = Sequence[float]
 
 
@@ -49,6 +56,7 @@ def standout(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
     Returns:
         ``(rank, phase, seconds, median)``: the rank, the index of its phase in ``PHASES``,
         its mean seconds an iteration there, and the median of the other ranks'; or None.
+        For a slow link, the phase is `LINK` and the seconds are the store's round trips.
     """
     if len(ranks) < 2:
         return None
@@ -62,12 +70,23 @@ def standout(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
     if found is not None:
         return found
     candidate = _above_others(ranks, 2, iteration)
-    if candidate is None:
+    if candidate is not None:
+        rank, _, seconds, median = candidate
+        own = [interval[0] + interval[1] for interval in ranks]
+        shorter = statistics.median(own[:rank] + own[rank + 1:]) - own[rank]
+        return None if shorter > (seconds - median) / 2 else candidate
+    return _slow_link(ranks)
+
+
+def _slow_link(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
+    if any(len(interval) <= TRIP for interval in ranks):
         return None
-    rank, _, seconds, median = candidate
-    own = [interval[0] + interval[1] for interval in ranks]
-    shorter = statistics.median(own[:rank] + own[rank + 1:]) - own[rank]
-    return None if shorter > (seconds - median) / 2 else candidate
+    trips = [interval[TRIP] for interval in ranks]
+    rank = max(range(len(trips)), key=trips.__getitem__)
+    median = statistics.median(trips[:rank] + trips[rank + 1:])
+    if trips[rank] >= RATIO * median and trips[rank] - median >= LINK_FLOOR:
+        return rank, LINK, trips[rank], median
+    return None
 
 
 def _above_others(ranks: Sequence[Interval], phase: int, iteration: float
@@ -125,8 +144,9 @@ class StragglerWatch:
                                                         self._clear_steps + steps)
                 if self._clear_lines >= LINES and self._clear_steps >= STEPS:
                     rank, phase = self.named
+                    name = PHASE_NAMES[PHASES[min(phase, LINK - 1)]]
                     out.append(("info", f"rank {rank} (host {self.hosts[rank]}) no longer "
-                                        f"holds the others up in {PHASE_NAMES[PHASES[phase]]}"))
+                                        f"holds the others up in {name}"))
                     self.named = None
         if found is not None and key != self.named and self._lines >= LINES \
                 and self._steps >= STEPS:
@@ -138,8 +158,14 @@ class StragglerWatch:
     def message(self, found: tuple[int, int, float, float]) -> str:
         """The warning line naming a straggler (`standout`'s answer)."""
         rank, phase, seconds, median = found
-        name = PHASES[phase]
         times = f"{seconds / median:.1f} times" if median > 0 else "far above"
+        if phase == LINK:
+            return (f"straggler: rank {rank} (host {self.hosts[rank]}) is the slowest in "
+                    f"communication for the last {self._steps} steps: its round trip to the "
+                    f"job's store takes {times} the median of the other ranks' ({seconds:.4f} "
+                    f"s against {median:.4f} s), as on a slow link to its node, which every "
+                    f"rank's collectives wait on (comm_time in metrics.jsonl)")
+        name = PHASES[phase]
         effect = "its collectives take longer than theirs" if name == "comm" \
             else "the other ranks wait for it"
         return (f"straggler: rank {rank} (host {self.hosts[rank]}) is the slowest in "
