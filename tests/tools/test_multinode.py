@@ -284,3 +284,50 @@ def test_a_cut_ends_the_torchrun_agent_on_each_side(two_nodes, tmp_path, cut):
     assert re.search(rf"rank [23]: stopping: (?:no answer from|lost contact with the other "
                      rf"ranks \([^)]*\) and with) the job's store at {two_nodes[0][2]}:\d+",
                      errs[1]), errs[1][-3000:]
+
+
+# ---------------------------------------------------------------- a slow link to one node
+
+# a slow link two ways: each of node 1's packets held back 50 ms (netem), or its sending
+# rate limited (tbf); a kernel without the qdisc skips that one
+SLOW_LINKS = {"delay": ("netem", "delay", "50ms"),
+              "rate": ("tbf", "rate", "8mbit", "burst", "32kbit", "latency", "1s")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SLOW_LINKS))
+def test_a_slow_link_to_one_node_slows_every_ranks_collectives_alike(two_nodes, tmp_path,
+                                                                     shape):
+    """A slow link to node 1 in the step metrics: in synchronous data parallelism every
+    rank's gradient collectives wait on it alike, so every rank's comm_time grows and no rank
+    is named in data loading or compute. Delayed, node 1's ranks also take 50 ms more for
+    their heartbeat's round trip to the job's store (on node 0), and one of them is named in
+    communication; rate-limited, the store's small requests pass as fast as the others'
+    (measured: 0.1 to 0.2 ms on every rank), and no rank is named."""
+    name, interface, _ = two_nodes[1]
+    done = subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", interface, "root",
+                           *SLOW_LINKS[shape]], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot shape the link with tc {SLOW_LINKS[shape][0]} here: "
+                    f"{done.stderr.strip()}")
+    work_dir = tmp_path / "run"
+    jobs = _start_nodes(two_nodes, work_dir, [
+        "schedule.max_epochs=null", "schedule.max_iters=30", "logging.interval=5",
+        "schedule.val_interval=1000", "checkpoint.interval=1000"])
+    outputs = [job.communicate(timeout=300) for job in jobs]
+    for job, (_, err) in zip(jobs, outputs, strict=True):
+        assert job.returncode == 0, err[-3000:]
+    records = train_records(work_dir)
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    for record in records:  # (measured with tbf: 0.12 s of a 0.127 s step on every rank)
+        assert record["comm_time"] > 0.04, record  # a step without the link's: ~5 ms in all
+        assert record["comm_time_max"] < 1.5 * record["comm_time"], record  # rank 0 as all
+        assert record["compute_time_max"] < record["comm_time"], record
+    log = (work_dir / "train.log").read_text()
+    named = re.findall(r"WARNING straggler: rank (\d+) .* is the slowest in (.*?) for", log)
+    if shape == "rate":
+        assert named == [], log
+    else:
+        assert [(int(rank) // NPROC, phase) for rank, phase in named] \
+            == [(1, "communication")], log  # a rank of node 1
+        assert "its round trip to the job's store takes" in log, log

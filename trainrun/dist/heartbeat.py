@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,9 +63,26 @@ class _Place:
     done: int | None = None  # steps finished (the step's hooks run after it is)
     phase: str = "setup"
     checkpoint: tuple[str, int] | None = None  # the newest checkpoint's name and step
+    # the seconds the heartbeat's last writes to the store took (see `store_round_trip`)
+    round_trips: deque[float] = deque(maxlen=3)
 
 
 _place = _Place()
+
+
+def store_round_trip() -> float:
+    """The seconds this rank's heartbeat takes to write its beat to the job's store (one
+    request and its answer): the median of its last three beats (about one a second), so
+    that one slow write counts for nothing; 0.0 before its second beat.
+
+    A node whose link to the store's host is slow answers slowly here, while its ranks'
+    collectives, which wait on that link too, look no slower than every other rank's.
+
+    Returns:
+        Seconds.
+    """
+    trips = sorted(_place.round_trips)
+    return trips[(len(trips) - 1) // 2] if len(trips) > 1 else 0.0
 
 
 def at_step(step: int | None, done: int | None = None) -> None:
@@ -373,6 +391,7 @@ class Heartbeat:
 
     def start(self) -> None:
         self._started = time.time()
+        _place.round_trips.clear()  # a heartbeat before this one's (a test's process) is gone
         self._beat()
         self._answered = time.monotonic()
         self._thread.start()
@@ -395,7 +414,9 @@ class Heartbeat:
     def _beat(self, phase: str | None = None) -> None:
         self._seq += 1
         beat = Beat(self._seq, time.time(), _place.step, phase or _place.phase)
+        started = time.perf_counter()
         self.store.set(self.key(self.rank), beat.encode())
+        _place.round_trips.append(time.perf_counter() - started)
 
     def _run(self) -> None:
         """Report this rank, and watch the one before it and the posted stop (store calls).

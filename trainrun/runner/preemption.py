@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from trainrun.dist import all_reduce, get_rank, is_distributed
+from trainrun.dist.waits import waiting
 from trainrun.messages import first_line
 from trainrun.runner.schema import bad_value, names, section
 
@@ -92,7 +93,8 @@ class StopRequest:
                 per_step = max(time.monotonic() - self._since, 1e-6) / self._interval
                 proposal = max(1, min(1000, int(self.CHECK_SECONDS / per_step)))
         message = torch.tensor([self.signum or 0, proposal], dtype=torch.int32)
-        all_reduce(message, op="max")
+        with waiting():  # the step metrics' comm_time, not the data loader's
+            all_reduce(message, op="max")
         signum, interval = (int(v) for v in message.tolist())
         self._countdown = self._interval = interval
         self._since = time.monotonic()

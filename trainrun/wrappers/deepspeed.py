@@ -56,6 +56,7 @@ from trainrun.dist import (
     phase,
 )
 from trainrun.dist.device import autocast_dtype, map_tensors
+from trainrun.dist.waits import waiting_for_gradients
 from trainrun.registry import FORMATS
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
@@ -451,7 +452,7 @@ class DeepSpeedOptimWrapper:
     def update_params(self, loss: Tensor) -> None:
         stepping = self.will_step
         self.done += 1
-        with phase("backward"):
+        with phase("backward"), waiting_for_gradients(loss):
             if self._in_tail(self.done):  # mean over the short group's micro-steps
                 self.engine.set_gradient_accumulation_boundary(
                     self.done == self.tail_from + self.tail)

@@ -4,9 +4,11 @@ Every ``interval`` iterations each rank sends its logged values, with its counts
 metrics, to rank 0 in one small collective that rank 0 finishes a step later (the next step
 trains meanwhile), and rank 0 writes the values' means over the ranks with the step metrics
 (`STEP_METRICS`: gradient norm, throughput, where the time went, peak memory) unless
-``logging.step_metrics`` is false. A step's line is on disk before its checkpoint, and a
-resumed run takes out the lines of the steps after its checkpoint before it writes its
-own (`trainrun.runner.run_dir.MetricsFile.resume`): each step has one line.
+``logging.step_metrics`` is false. With more than one rank the step metrics also hold each
+phase's largest time over the ranks and its rank, and rank 0 warns when one rank holds the
+others up (`trainrun.runner.hooks.stragglers`). A step's line is on disk before its
+checkpoint, and a resumed run takes out the lines of the steps after its checkpoint before it
+writes its own (`trainrun.runner.run_dir.MetricsFile.resume`): each step has one line.
 On a terminal rank 0 also shows a progress bar with loss, throughput and ETA; headless
 (cluster logs) it prints plain lines instead. ``logging.backends`` names the outputs: the
 console, metrics.jsonl and trackers (`trainrun.runner.trackers`: tensorboard, wandb, mlflow,
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import resource
+import socket
 import sys
 import threading
 import time
@@ -39,9 +42,12 @@ from trainrun.dist import (
     get_dist_info,
     is_main_process,
 )
+from trainrun.dist.heartbeat import store_round_trip
+from trainrun.dist.waits import waiting
 from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
-from trainrun.runner.hooks.timer import Window
+from trainrun.runner.hooks.stragglers import StragglerWatch
+from trainrun.runner.hooks.timer import PHASES, Window
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim.wrapper import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
@@ -53,8 +59,11 @@ WINDOW = 1  # steps each logged training value is the mean of (1: the logged ste
 BACKENDS = ("console", "jsonl")  # where they go by default; the logger's own outputs
 # What every logged training line adds to the model's values and lr (docs/hooks-and-trackers.md,
 # "Step metrics"): grad_norm (grad_norm/<name> per optimiser of a dict), and:
-TIMES = ("time", "data_time", "compute_time")  # seconds an iteration: all, waiting for data, rest
-STEP_METRICS = (*TIMES, "samples_per_s", "tokens_per_s", "peak_memory_mb")
+# seconds an iteration: all, waiting for data, the rest, waiting in collectives
+TIMES = ("time", "data_time", "compute_time", "comm_time")
+# with several ranks: each phase's largest time over the ranks, and that rank
+PHASE_MAXIMA = tuple(f"{phase}_time_max{rank}" for phase in PHASES for rank in ("", "_rank"))
+STEP_METRICS = (*TIMES, "samples_per_s", "tokens_per_s", "peak_memory_mb", *PHASE_MAXIMA)
 # values that differ from one run to the next, as wall-clock times and memory do
 NOT_REPRODUCIBLE = STEP_METRICS
 
@@ -108,11 +117,19 @@ class LoggerHook(Hook):
         self._started: tuple[float, int] | None = None  # (clock, step) when training began
         self._last_val: dict[str, float] = {}
         self._pending: LoggedStep | None = None  # a logged step whose numbers are on the way
+        self._compare_ranks = False  # each rank sends its phase times too (step metrics, ranks)
+        self._stragglers: StragglerWatch | None = None  # rank 0's, while comparing ranks
 
     def before_train(self, runner: Any) -> None:
         """The trackers start and the progress bar appears."""
         self._started = (time.monotonic(), runner.iter)
         self._measuring = None
+        self._compare_ranks = self.step_metrics and get_dist_info()[1] > 1
+        self._stragglers = None
+        if self._compare_ranks:  # every rank's host, once, for the straggler warnings
+            hosts = gather_object(socket.gethostname())
+            self._stragglers = StragglerWatch(hosts) if hosts is not None else None
+            runner.timer.take_phases()  # the intervals start here
         if self.trackers:
             config, resume = tracker_config(runner), resuming(runner)
             # a rank stuck in a collective when another fails is ended by the heartbeat
@@ -158,7 +175,9 @@ class LoggerHook(Hook):
         # every rank takes part; outputs are left as they are, for the hooks after this one
         # the timer's window, read once: this rank's counts and rank 0's own metrics share it
         window = runner.timer.window_counts() if self.step_metrics else None
-        counts = rank_counts(window, runner.device) if window is not None else None
+        phases = (*runner.timer.phase_times(), *runner.timer.take_phases(),
+                  store_round_trip()) if self._compare_ranks else ()
+        counts = rank_counts(window, runner.device, phases) if window is not None else None
         values = outputs if self.window == 1 else window_means(self._recent, outputs)
         self._pending = LoggedStep(runner, start_gather(values, counts), window)
 
@@ -202,7 +221,8 @@ class LoggerHook(Hook):
         pending, self._pending = self._pending, None
         if pending is None or not (wait or pending.gathering.is_completed()):
             return
-        record = pending.record()
+        with waiting():  # for the other ranks' numbers, if they are not in yet
+            record = pending.record()
         if record is None:  # not rank 0
             return
         if "jsonl" in self.backends:
@@ -213,6 +233,10 @@ class LoggerHook(Hook):
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self._log(pending.line(record))
+        if self._stragglers is not None and pending.counts is not None:
+            intervals = [rank[COUNTS + len(PHASES):] for rank in pending.counts]
+            for level, message in self._stragglers.update(intervals):
+                getattr(get_logger(), level)(message)
 
     def _track(self, values: dict[str, float], step: int) -> None:
         """To every tracker, while training (a validation run alone tracks nothing)."""
@@ -340,12 +364,18 @@ def _mean(values: list[Any]) -> Any:
     return torch.true_divide(torch.stack(values).sum(0), len(values))
 
 
-def rank_counts(window: Window, device: torch.device) -> list[float]:
+COUNTS = 3  # a rank's counts begin with its samples, tokens and peak memory
+
+
+def rank_counts(window: Window, device: torch.device, phases: Sequence[float] = ()
+                ) -> list[float]:
     """This rank's part of the step metrics that need the other ranks: its samples and tokens
     over the timer's ``window`` (`IterTimerHook.window_counts`; tokens 0 where its batches
-    state none), and its peak memory."""
+    state none), its peak memory, then ``phases`` as they are: with several ranks, the
+    timer's `IterTimerHook.phase_times` and `IterTimerHook.take_phases`, and the heartbeat's
+    `trainrun.dist.heartbeat.store_round_trip`."""
     _, samples, tokens = window
-    return [float(samples), float(tokens or 0), peak_memory_mb(device)]
+    return [float(samples), float(tokens or 0), peak_memory_mb(device), *phases]
 
 
 class Gathering:
@@ -422,14 +452,16 @@ class LoggedStep:
     def __init__(self, runner: Any, gathering: Gathering, window: Window | None):
         self.gathering = gathering
         self.known: dict[str, Any] | None = None
+        self.counts: list[list[float]] | None = None  # every rank's, once `record` has them
         if not is_main_process():
             return
         timer = runner.timer
         self.known = {"step": runner.iter, "epoch": runner.epoch + 1,
                       "lr": runner.optim_wrapper.get_lr(),
                       "time": timer.iter_time, "data_time": timer.data_time}
+        comm = timer.comm_time
         self.metrics = None if window is None else own_step_metrics(
-            runner, window, self.known["time"] - self.known["data_time"])
+            runner, window, self.known["time"] - self.known["data_time"] - comm, comm)
         self.eta = round(timer.eta_seconds(runner.max_iters - runner.iter))
         self.max_iters = runner.max_iters
         self.max_epochs = runner.max_epochs if runner.by_epoch else None
@@ -440,6 +472,7 @@ class LoggedStep:
         if gathered is None or self.known is None:
             return None
         values, counts = gathered
+        self.counts = counts
         known = self.known
         record = {"step": known["step"], "epoch": known["epoch"], **values, "lr": known["lr"],
                   "time": known["time"], "data_time": known["data_time"]}
@@ -459,30 +492,43 @@ class LoggedStep:
                 f"eta {datetime.timedelta(seconds=self.eta)}")
 
 
-def own_step_metrics(runner: Any, window: Window, compute_time: float) -> dict[str, Any]:
+def own_step_metrics(runner: Any, window: Window, compute_time: float,
+                     comm_time: float = 0.0) -> dict[str, Any]:
     """Rank 0's part of a logged step's step metrics, taken at the step: its gradient norms
     (where its optimiser stepped), compute time (the timer's iteration time less its data
-    time), and the timer's ``window`` (seconds, whether every batch stated its tokens)."""
+    time and its wait in collectives), that wait, and the timer's ``window`` (seconds,
+    whether every batch stated its tokens)."""
     seconds, _, tokens = window
     return {"norms": grad_norms(runner.optim_wrapper),
-            "compute_time": max(compute_time, 0.0),
+            "compute_time": max(compute_time, 0.0), "comm_time": comm_time,
             "seconds": seconds, "tokens": tokens is not None}
 
 
 def step_metrics(own: dict[str, Any], counts: list[list[float]]) -> dict[str, float]:
     """The step metrics of a logged line, on rank 0: the gradient norm of the step, compute
-    time, samples (and tokens) a second of all ranks over the timer's window, and the largest
-    peak memory of any rank; ``own`` is `own_step_metrics`, ``counts`` every rank's
+    time (and with several ranks the wait in collectives), samples (and tokens)
+    a second of all ranks over the timer's window, the largest peak memory of any rank, and
+    with several ranks each phase's largest mean time over the ranks and that rank (the
+    first of equal ones); ``own`` is `own_step_metrics`, ``counts`` every rank's
     `rank_counts`."""
     out = {key: _number(norm) for key, norm in own["norms"].items()}
     seconds = own["seconds"]
     out["compute_time"] = own["compute_time"]
+    several = len(counts) > 1 and len(counts[0]) > COUNTS
+    if several:
+        out["comm_time"] = own["comm_time"]
     samples = round(sum(rank[0] for rank in counts))
     out["samples_per_s"] = samples / seconds if seconds else 0.0
     if own["tokens"]:
         all_tokens = round(sum(rank[1] for rank in counts))
         out["tokens_per_s"] = all_tokens / seconds if seconds else 0.0
     out["peak_memory_mb"] = max(rank[2] for rank in counts)
+    if several:
+        for index, phase in enumerate(PHASES, start=COUNTS):
+            times = [rank[index] for rank in counts]
+            slowest = max(range(len(times)), key=times.__getitem__)
+            out[f"{phase}_time_max"] = times[slowest]
+            out[f"{phase}_time_max_rank"] = slowest
     return out
 
 
@@ -513,7 +559,9 @@ LOGGING = {
                  "wandb, mlflow, or a tracker class by import path"),
     "step_metrics": (True, check_bool,
                      "log grad_norm, compute_time, samples_per_s, tokens_per_s and "
-                     "peak_memory_mb on every training line"),
+                     "peak_memory_mb on every training line (with several ranks also "
+                     "comm_time, each phase's largest time over the ranks and its rank, and "
+                     "warn of a rank that holds the others up)"),
     "window": (WINDOW, integer(1),
                "each logged training value is the mean of each rank's values over the last "
                "this many iterations (then over the ranks); 1: the logged iteration's own. "

@@ -1,4 +1,5 @@
-"""Seconds per iteration, waiting for data and samples per iteration, for the log and the ETA."""
+"""Seconds per iteration (waiting for data, waiting for the gradient collectives, the rest) and
+samples per iteration, for the log and the ETA."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ from typing import Any
 
 from torch import Tensor
 
+from trainrun.dist.waits import take_wait
 from trainrun.runner.hooks.base import TIMER, Hook
 
 TOKENS = "num_tokens"  # the key of a dict batch that states how many tokens it holds
 # over the timer's window: the seconds its iterations took, their samples, and their tokens
 Window = tuple[float, int, int | None]
+# where an iteration's seconds went, in this order: waiting for the batch (with the hooks
+# between iterations), the rest (forward, backward, optimiser step), waiting in collectives
+# (the gradients' at the end of backward, the runner's own between iterations)
+PHASES = ("data", "compute", "comm")
 
 
 def batch_counts(batch: Any) -> tuple[int, int | None]:
@@ -44,9 +50,11 @@ def batch_counts(batch: Any) -> tuple[int, int | None]:
 
 
 class IterTimerHook(Hook):
-    """Keeps the iteration and data times, and the samples (and tokens) of this rank's
-    batches (unless ``count_batches`` is false: the logger's step metrics are off), over the
-    last ``window`` iterations."""
+    """Keeps the iteration and data times, the time waited in collectives
+    (`trainrun.dist.waits`; not counted in the data time), and the samples (and tokens) of
+    this rank's batches (unless ``count_batches`` is false: the logger's step metrics are
+    off), over the last ``window`` iterations; and the phases' seconds since they were last
+    taken (`take_phases`)."""
 
     priority = TIMER  # see hooks/base.py for the order
 
@@ -54,15 +62,24 @@ class IterTimerHook(Hook):
         self.count_batches = count_batches
         self.iter_times: deque[float] = deque(maxlen=window)
         self.data_times: deque[float] = deque(maxlen=window)
+        self.comm_times: deque[float] = deque(maxlen=window)
+        # since `take_phases`: seconds waiting for data, in iterations, waiting in collectives,
+        # and the iterations
+        self._since = [0.0, 0.0, 0.0, 0]
         self.samples: deque[int] = deque(maxlen=window)
         self.tokens: deque[int | None] = deque(maxlen=window)
         self._last = 0.0
+        self._between = 0.0  # waited in collectives since the last iteration ended
 
     def before_train_epoch(self, runner: Any) -> None:
         self._last = time.perf_counter()
+        take_wait()  # what was waited before is no iteration's
 
     def before_train_iter(self, runner: Any, batch_idx: int, batch: Any) -> None:
-        self.data_times.append(time.perf_counter() - self._last)
+        now, self._between = time.perf_counter(), take_wait()
+        waited = max(now - self._last - self._between, 0.0)
+        self.data_times.append(waited)
+        self._since[0] += waited
         if self.count_batches:
             samples, tokens = batch_counts(batch)
             self.samples.append(samples)
@@ -71,11 +88,18 @@ class IterTimerHook(Hook):
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
                          outputs: dict[str, Any]) -> None:
         now = time.perf_counter()
-        self.iter_times.append(now - self._last)
+        seconds, waited = now - self._last, self._between + take_wait()
+        self.iter_times.append(seconds)
+        self.comm_times.append(waited)
+        since = self._since
+        since[1] += seconds
+        since[2] += waited
+        since[3] += 1
         self._last = now
 
     def after_val(self, runner: Any, metrics: dict[str, float]) -> None:
         self._last = time.perf_counter()  # validation time is not an iteration's
+        take_wait()
 
     @property
     def iter_time(self) -> float:
@@ -84,6 +108,25 @@ class IterTimerHook(Hook):
     @property
     def data_time(self) -> float:
         return sum(self.data_times) / len(self.data_times) if self.data_times else 0.0
+
+    @property
+    def comm_time(self) -> float:
+        return sum(self.comm_times) / len(self.comm_times) if self.comm_times else 0.0
+
+    def phase_times(self) -> tuple[float, float, float]:
+        """Each of `PHASES`' mean seconds an iteration over the window; compute is the
+        iteration's time less the other two."""
+        data, comm = self.data_time, self.comm_time
+        return data, max(self.iter_time - data - comm, 0.0), comm
+
+    def take_phases(self) -> tuple[float, float, float, int]:
+        """Each of `PHASES`' mean seconds an iteration over the iterations since the last
+        call (0.0 without any), and their number; the count starts again."""
+        data, seconds, comm, iters = self._since
+        self._since = [0.0, 0.0, 0.0, 0]
+        if not iters:
+            return 0.0, 0.0, 0.0, 0
+        return (data / iters, max(seconds - data - comm, 0.0) / iters, comm / iters, iters)
 
     def window_counts(self) -> Window:
         """Over the window: the seconds its iterations took, their samples, and their tokens

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from trainrun.dist import phase
 from trainrun.dist.device import DTYPES, autocast_dtype
+from trainrun.dist.waits import waiting_for_gradients
 
 PRECISIONS = tuple(DTYPES)  # the names of `precision`
 
@@ -147,12 +148,15 @@ class OptimWrapper:
             self.micro_steps = 0
 
     def backward(self, loss: Tensor) -> None:
-        """Backward ``loss`` as it is (scaled first under fp16); no division, no step.
+        """Backward ``loss`` as it is (scaled first under fp16); no division, no step. The
+        time it then waits for the gradient collectives is measured for the step metrics
+        (`trainrun.dist.waits`).
 
         Args:
             loss: a scalar tensor.
         """
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        with waiting_for_gradients(loss):
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self) -> None:
         """Step the optimiser on the gradients there are: unscaled first under fp16, clipped
