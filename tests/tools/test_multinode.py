@@ -328,6 +328,8 @@ def test_a_slow_link_to_one_node_slows_every_ranks_collectives_alike(two_nodes, 
     if shape == "rate":
         assert named == [], log
     else:
-        assert [(int(rank) // NPROC, phase) for rank, phase in named] \
-            == [(1, "communication")], log  # a rank of node 1
+        # a rank of node 1 (both of its ranks are as slow: either may be named, or both in
+        # turn), and never one of node 0
+        assert named and {(int(rank) // NPROC, phase) for rank, phase in named} \
+            == {(1, "communication")}, log
         assert "its round trip to the job's store takes" in log, log
