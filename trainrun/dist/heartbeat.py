@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -361,6 +362,7 @@ class Heartbeat:
 
     def start(self) -> None:
         self._started = time.time()
+        self.store.set(self.key(f"host/{self.rank}"), socket.gethostname())  # for messages
         self._beat()
         self._answered = time.monotonic()
         self._thread.start()

@@ -78,6 +78,8 @@ class TrainLoop:
         runner.call_hook("before_train")
         while not runner.train_done():
             self.run_epoch()
+        at_step(runner.iter, done=runner.iter)  # the last step, not one after it
+        set_phase("after_train hooks")
         runner.call_hook("after_train")
 
     def run_epoch(self) -> None:

@@ -29,6 +29,7 @@ from trainrun.dist import (
     at_checkpoint,
     barrier,
     broadcast_object_list,
+    finish_together,
     get_dist_info,
     init_dist,
     is_comm_error,
@@ -593,23 +594,36 @@ class Runner:
         self.close(error)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Let go of the run directory, drop model and optimiser, then leave the process group
-        if this runner joined it (``error``: what ended the run, if any).
+        """Let go of the run directory, drop model and optimiser, wait for the other ranks to
+        finish too, then leave the process group if this runner joined it (``error``: what
+        ended the run, if any).
 
-        DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
-        After a failed collective the group is not destroyed: a collective still waiting on a
-        frozen peer would hold the destroy up for the timeout.
+        A run that ended normally waits (at most ``dist_timeout``) until every rank has come
+        here: a rank that hangs after training (in its last hooks, or before it closes) is
+        named then, and the error raised on every rank that waited (a non-zero exit, which
+        makes a launcher such as torchrun end the hung rank). What is published under
+        ``checkpoints/`` stays as it is. DDP's reducer must be gone before the group is
+        destroyed, or gloo can abort at exit. After a failed collective the group is not
+        destroyed: a collective still waiting on a frozen peer would hold the destroy up for
+        the timeout.
 
         Args:
             error: the exception that ended the run, or None.
+
+        Raises:
+            PeerFailure: another rank did not finish within ``dist_timeout`` of this one.
         """
         self.checkpoints.abandon()
         self.metrics_file.close()
         if self.run_lock is not None:
             self.run_lock.release()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
-        self.strategy.teardown()
-        self._leave_group(error)
+        try:
+            if error is None:
+                finish_together(get_timeout().total_seconds())
+        finally:
+            self.strategy.teardown()
+            self._leave_group(error)
 
     def _leave_group(self, error: BaseException | None) -> None:
         """Leave the process group this runner joined (`dist.leave_dist` says why before the
