@@ -469,7 +469,7 @@ def run(cfg: DictConfig, method: str, run_dir: RunDir | None = None) -> int:
     """Build the runner from ``cfg`` and call its ``method`` ('train' or 'test'); it writes
     in ``run_dir`` when given, else in the config's work_dir. A test's own directory
     (``TestDir``) gets the scores as ``scores.json``. A rank of a job of several then has
-    ``dist_timeout`` to end: one stuck at exit says so and ends non-zero (`end_within`)."""
+    ``dist_timeout`` to end: one stuck at exit says so and ends non-zero (``end_within``)."""
     ran: list[Any] = []
     try:
         return _run(cfg, method, run_dir, ran)

@@ -47,11 +47,12 @@ def finish_together(timeout: float) -> None:
     seconds; name the ranks that have not by then, and raise.
 
     Every rank must call it once its run is over and before the group is left (it talks
-    through the group's store). A run that ends normally costs one store request on the
-    last rank to come, and a few polls of ``POLL_SECONDS`` on the others. Rank 0 also waits
-    until every rank has seen the others come (the store may live in its process, and a rank
-    still asking must not find it gone), which names a rank frozen right there too. A no-op
-    in one process, or without a store (the MPI backend).
+    through the group's store). A run that ends normally costs each rank a few store
+    requests, and the ranks that come before the last one a poll every ``POLL_SECONDS``
+    until it does. Rank 0 also waits until every rank has seen the others come (the store
+    may live in its process, and a rank still asking must not find it gone), which names a
+    rank frozen right there too. The ranks that come after another rank gave up fail too.
+    A no-op in one process, or without a store (the MPI backend).
 
     Args:
         timeout: the most seconds to wait for the last rank (the collective timeout).
