@@ -32,7 +32,6 @@ from trainrun.dist.heartbeat import (
     PeerFailure,
     _flush_logs,
     _prefix,
-    _store,
     exit_saying,
     log,
     one_line,
@@ -65,7 +64,10 @@ def finish_together(timeout: float) -> None:
     if not (torch_dist.is_available() and torch_dist.is_initialized()) \
             or torch_dist.get_world_size() == 1:
         return
-    store = _store(timeout)
+    try:  # the group's own client: a new one (``clone``) now and then takes 5 s to connect
+        store = torch_dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # no store, as under the MPI backend
+        store = None
     if store is None:
         log.debug("no wait for the other ranks at the end: the default group has no store")
         return

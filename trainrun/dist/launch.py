@@ -363,7 +363,9 @@ def init_dist(
     ``LOCAL_WORLD_SIZE`` (and ``MASTER_ADDR``, ``MASTER_PORT``), so code that reads
     torchrun's variables finds the right device under any launcher. With nccl the CUDA device
     is set to the local rank. After joining, the ranks check the group: every rank must agree
-    on the world size N, and the ranks must be 0..N-1 once each (their sum N(N-1)/2).
+    on the world size N, and the ranks must be 0..N-1 once each (their sum N(N-1)/2). A
+    process that has left its group (``leave_dist``) may join again, as a second runner
+    does: each group of the process keeps its keys apart in the job's store.
 
     Args:
         launcher: 'pytorch' (torchrun), 'slurm' (srun) or 'mpi' (mpirun).
