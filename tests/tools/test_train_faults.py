@@ -229,6 +229,22 @@ def test_a_rank_that_hangs_after_training_or_at_exit_ends_the_job_naming_it(tmp_
                            r"\(hung after training\): rank 1 \(host \S+\) last seen at step 20 "
                            r"in after_train hooks", done.stderr)
     assert len(named) == 1, done.stderr[-3000:]
+    assert (tmp_path / "exited_rank0").exists()  # rank 0 left its group: a normal shutdown
+
+
+@pytest.mark.slow
+def test_a_rank_whose_collective_timed_out_ends_without_the_interpreters_shutdown(tmp_path):
+    """Rank 1 sleeps after step 5 while its heartbeat goes on: rank 0's collective times out
+    (nobody is silent) and fails the run, leaving its group joined; rank 0 then ends with its
+    exit code at once, skipping the interpreter's shutdown (its atexit handlers), which would
+    tear gloo down with the failed operation queued and now and then abort (-6). The ranks
+    that end normally still shut down as before."""
+    done = run(_hanging(tmp_path, "step_5", seconds=60), timeout=180)
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "hang_rank1.json").read_text())["step"] == 5
+    assert "stopping every rank: no rank is silent" in done.stderr, done.stderr[-3000:]
+    assert "exitcode  : 1" in done.stderr and "-6" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "exited_rank0").exists()  # os._exit, after its last words
 
 
 @pytest.mark.slow
