@@ -32,6 +32,7 @@ from trainrun.dist.heartbeat import (
     before_process_end,
     is_comm_error,
     phase,
+    report_place,
     set_phase,
     watch_ranks,
 )
@@ -81,6 +82,6 @@ __all__ = [
     "get_device", "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank",
     "get_local_size", "get_rank", "get_world_size", "infer_launcher", "init_dist",
     "init_local_group", "is_comm_error", "is_distributed", "is_main_process", "leave_dist",
-    "master_only", "phase", "reduce", "set_default_dist_backend", "set_phase", "sync_random_seed",
-    "watch_ranks",
+    "master_only", "phase", "reduce", "report_place", "set_default_dist_backend", "set_phase",
+    "sync_random_seed", "watch_ranks",
 ]

@@ -1,8 +1,9 @@
 """The end of a job: every rank waits for the others to finish, and a rank stuck at exit ends.
 
-A rank that has finished its run stops watching the others (its heartbeat ends with training),
-so a rank that hangs after the last collective (in its last hooks, closing its run) would
-never be named: the other ranks exit, and the launcher waits on the hung one for good.
+A rank that has finished its run stops watching the others (its heartbeat ends with its
+``after_run`` hooks), so a rank that hangs after the last collective (in its last hooks,
+closing its run) would never be named: the other ranks exit, and the launcher waits on the
+hung one for good.
 ``finish_together`` closes that gap: each finished rank says so in the job's store and waits
 (at most the collective timeout) until every rank has; a rank still missing then is named,
 with its host and where its heartbeat last saw it, and every waiting rank raises

@@ -36,6 +36,8 @@ from trainrun.dist import (
     is_distributed,
     leave_dist,
     phase,
+    report_place,
+    set_phase,
     watch_ranks,
 )
 from trainrun.dist.timeouts import get_timeout
@@ -406,20 +408,24 @@ class Runner:
         self.training = True
         self.call_hook("before_run")
         try:
-            # a stop signal that comes while a failure is being explained (torchrun passing
-            # one on as it gives up) is only recorded: the explanation is what the user needs
-            with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
-                    stop_signals(self.stop_signals) as self.stop_request:
-                try:
-                    with training_failures(self, heartbeat):
-                        self.train_loop.run()
-                finally:
-                    self.training = False
-                    self.stop_request = None
-            if self.stop_reason is not None and self.checkpoints.last_saved is not None:
-                self.logger.info("%s; checkpoint %s written", self.stop_reason,
-                                 self.checkpoints.last_saved.name)
-            self.call_hook("after_run")
+            # the heartbeat goes on through after_run: a rank that hangs there is ended by it
+            # once another rank has named it (see close), whatever the launcher does
+            with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat:
+                # a stop signal that comes while a failure is being explained (torchrun passing
+                # one on as it gives up) is only recorded: the explanation is what the user needs
+                with stop_signals(self.stop_signals) as self.stop_request:
+                    try:
+                        with training_failures(self, heartbeat):
+                            self.train_loop.run()
+                    finally:
+                        self.training = False
+                        self.stop_request = None
+                if self.stop_reason is not None and self.checkpoints.last_saved is not None:
+                    self.logger.info("%s; checkpoint %s written", self.stop_reason,
+                                     self.checkpoints.last_saved.name)
+                set_phase("after_run hooks")
+                report_place()  # where the job would end if this rank hung now
+                self.call_hook("after_run")
         except BaseException as error:  # closed by on_error already, unless after it
             self._close_trackers(error)
             raise
