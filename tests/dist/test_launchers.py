@@ -67,17 +67,20 @@ def ok_reports(*results: subprocess.CompletedProcess) -> list[dict[str, Any]]:
     return reports("".join(result.stdout for result in results))
 
 
-def torchrun(*args: str, port: int) -> list[str]:
+def torchrun(*args: str, port: int, script: Path = SCRIPT) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_addr", "127.0.0.1", "--master_port", str(port), str(SCRIPT), *args]
+            "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *args]
 
 
-def run_two_ranks(*args: str, timeout: float = TIMEOUT_S) -> list[dict[str, Any]]:
-    """launch_check.py as 2 processes given torchrun's variables by hand, as `accelerate
-    launch` does (a few seconds faster than torchrun, which imports torch first)."""
+def run_two_ranks(*args: str, timeout: float = TIMEOUT_S, script: Path = SCRIPT
+                  ) -> list[dict[str, Any]]:
+    """launch_check.py (or ``script``, given ``args`` alone) as 2 processes given torchrun's
+    variables by hand, as `accelerate launch` does (a few seconds faster than torchrun, which
+    imports torch first)."""
     port = str(free_port())
+    command = [str(SCRIPT), "pytorch", *args] if script == SCRIPT else [str(script), *args]
     procs = [
-        start([sys.executable, str(SCRIPT), "pytorch", *args],
+        start([sys.executable, *command],
               {**job_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
         for rank in range(2)
@@ -204,6 +207,30 @@ def test_collective_timeout_names_the_operation(tmp_path: Path) -> None:
     assert "timed out after 3 s" in waited["message"]
     # it waited for the timeout, and not much longer (a loaded 2-core machine takes seconds)
     assert 2.5 < waited["elapsed"] < 30
+
+
+REJOIN = SCRIPT.parent / "rejoin_check.py"
+
+
+def test_a_process_joins_a_group_again_after_leaving_one() -> None:
+    """Three groups one after the other in each process, under torchrun (its agent's store
+    serves them all) and given torchrun's variables by hand (rank 0's does): each group
+    works. The second join read the first group's addresses, left in the same store, and
+    timed out connecting to them about one time in two (as a second Runner did)."""
+    for found in (ok_reports(run(torchrun("dist", port=free_port(), script=REJOIN))),
+                  run_two_ranks("dist", script=REJOIN)):
+        assert [r["rank"] for r in found] == [0, 1], found
+        assert all(r["found"] == [3.0, 3.0, 3.0] for r in found), found
+
+
+def test_a_second_runner_in_one_process_trains(tmp_path: Path) -> None:
+    """Two Runners (launcher: pytorch) one after the other in each process under torchrun:
+    the second joins a group of its own and trains to its end, as the first did."""
+    done = run(torchrun("runner", str(tmp_path), port=free_port(), script=REJOIN))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = reports(done.stdout)
+    assert [(r["rank"], r["found"]) for r in found] == [(0, [20, 20]), (1, [20, 20])], found
+    assert (tmp_path / "run2" / "checkpoints" / "last").exists()
 
 
 def test_pytorch_launcher_without_torchrun_fails_fast() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 
 import numpy as np
@@ -205,3 +206,50 @@ class ItemDigitsMLP(DigitsMLP):
         if batch["inputs"].sum().item() < 0:  # never: the pixels are in [0, 1]
             raise ValueError("negative pixels")
         return super().forward(batch, mode)
+
+
+class HangingHook(Hook):
+    """Makes rank ``rank`` hang: ``at`` is ``'step_5'`` (after training step 5, while its
+    heartbeat goes on), or once training is over ``'after_train'`` (in the hook point, after
+    the last checkpoint: give it ``priority: after_checkpoint``), ``'after_run'``, ``'exit'``
+    (an ``atexit`` handler that sleeps, so the process hangs as the interpreter shuts down) or
+    ``'stop'`` (``after_run`` stops the process with SIGSTOP). Before it hangs it writes
+    ``hang_rank<r>.json`` into the run directory: its pid and where it hangs, which a test
+    reads to know the hang landed where it was meant to. Every rank also has an ``atexit``
+    handler write ``exited_rank<r>`` there: the interpreter's shutdown ran."""
+
+    def __init__(self, at: str = "after_run", rank: int = 1, seconds: float = 3600.0):
+        if at not in ("step_5", "after_train", "after_run", "exit", "stop"):
+            raise ValueError(f"at: got {at!r}, expected step_5, after_train, after_run, exit "
+                             "or stop")
+        self.at, self.rank, self.seconds = at, rank, seconds
+
+    def before_run(self, runner):
+        import atexit
+
+        atexit.register((runner.work_dir / f"exited_rank{runner.rank}").touch)
+
+    def after_train_iter(self, runner, batch_idx, batch, outputs):
+        if runner.iter == 5:
+            self._hang(runner, "step_5")
+
+    def _hang(self, runner, point):
+        if runner.rank != self.rank or point != ("after_run" if self.at in ("exit", "stop")
+                                                 else self.at):
+            return
+        marker = runner.work_dir / f"hang_rank{runner.rank}.json"
+        marker.write_text(json.dumps({"pid": os.getpid(), "at": self.at, "step": runner.iter}))
+        if self.at == "exit":
+            import atexit
+
+            atexit.register(time.sleep, self.seconds)
+        elif self.at == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(self.seconds)
+
+    def after_train(self, runner):
+        self._hang(runner, "after_train")
+
+    def after_run(self, runner):
+        self._hang(runner, "after_run")

@@ -32,6 +32,8 @@ from tests.cli import (
 )
 from tests.records import train_records
 from tests.slurm_cluster import client_env
+from trainrun.checkpoint.manifest import verify_checkpoint
+from trainrun.checkpoint.read import read_train_state, read_weights
 from trainrun.cli.processes import alive, descendants
 from trainrun.dist.launch import free_port
 
@@ -148,6 +150,101 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
     # came up to a beat (1 s: five 0.2 s steps) before the freeze: at step 5 to 11
     assert re.search(r"rank 1 silent for 1\d s, last seen at step ([5-9]|1[01]) in [a-z_() ]+; "
                      r"rank 0 waiting at step 1[01] in [a-z_() ]+$", lines[0]), lines[0]
+
+
+# a hang after training: 1 epoch of 20 steps, a checkpoint at its end, a short timeout
+AFTER = ["schedule.max_epochs=1", "checkpoint.interval=1", "logging.interval=5",
+         "dist_timeout=10"]
+
+
+def _hanging(tmp_path: Path, at: str, seconds: float = 3600.0) -> list[str]:
+    """torchrun of 2 ranks whose rank 1 hangs once training is over (HangingHook's ``at``)."""
+    hook = f"{{type: tests.tools.models.HangingHook, at: {at}, seconds: {seconds}, " \
+        "priority: after_checkpoint}"
+    return torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path),
+                    "--cfg-options", *AFTER, f"hooks=[{hook}]")
+
+
+@pytest.mark.slow
+def test_a_rank_frozen_after_training_ends_the_job_naming_it_and_keeps_the_checkpoint(
+        tmp_path):
+    """Rank 1 stopped with SIGSTOP (by pid, from here) in its after_run hooks, after the last
+    checkpoint: rank 0 waits for it at most dist_timeout, names it, and ends non-zero;
+    torchrun then ends the frozen rank (SIGTERM, then SIGKILL 30 s later: its own way) and
+    exits non-zero itself, within dist_timeout + 60 s of the freeze. The checkpoint published
+    before stays published and whole."""
+    marker = tmp_path / "hang_rank1.json"
+    proc = subprocess.Popen(_hanging(tmp_path, "after_run", seconds=20), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        while not marker.exists():  # rank 1 is in its after_run hook, sleeping 20 s
+            assert proc.poll() is None, "the job ended before rank 1's after_run hook"
+            time.sleep(0.01)
+        time.sleep(0.05)  # the marker's text is written
+        frozen = json.loads(marker.read_text())
+        os.kill(frozen["pid"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert alive(frozen["pid"]) and proc.poll() is None  # it landed mid-run
+        _, err = proc.communicate(timeout=10 + 60 + 30)
+        ended = time.monotonic() - stopped
+    finally:
+        kill_tree(proc.pid)
+    assert frozen["step"] == 20, frozen  # after the last step
+    assert proc.returncode != 0, err[-3000:]
+    assert ended < 10 + 60, f"the job ended {ended:.0f} s after the freeze"
+    named = [line for line in err.splitlines() if "stopping every rank: rank 1" in line]
+    assert len(named) == 1, err[-3000:]  # once for the job, by rank 0
+    assert re.search(r"rank 1 has not finished 10 s after rank 0 did \(hung after training\): "
+                     r"rank 1 \(host \S+\) last seen at step 20 in after_run hooks \d+ s ago$",
+                     named[0]), named[0]
+    checkpoint = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "last").read_text().strip()
+    assert checkpoint.name == "epoch_1.pth"
+    assert verify_checkpoint(checkpoint, alone=True)  # every file its manifest lists, intact
+    assert read_train_state(checkpoint)["meta"]["iter"] == 20
+    assert read_weights(checkpoint)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == \
+        ["epoch_1.pth", "epoch_1.pth.sha256", "last"]  # nothing half-written left
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["after_train", "exit"])
+def test_a_rank_that_hangs_after_training_or_at_exit_ends_the_job_naming_it(tmp_path, at):
+    """Rank 1 hangs in an after_train hook (after the last checkpoint: its heartbeat still
+    runs, and ends it once rank 0 has named it) or at exit (an atexit handler that sleeps: it
+    ends itself, naming itself, dist_timeout after its run ended). torchrun exits non-zero
+    either way, within dist_timeout + 60 s of the end of training."""
+    started = time.monotonic()
+    done = run(_hanging(tmp_path, at), timeout=180)
+    took = time.monotonic() - started
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert (tmp_path / "hang_rank1.json").exists()  # it hung where it was meant to
+    # (the start, training and the end: 10 to 20 s on this machine; the timeout is 10 s)
+    assert took < 10 + 60, f"the job took {took:.0f} s"
+    if at == "exit":
+        named = re.findall(r"ERROR rank 1 \(pid \d+\): stuck at exit: its run ended 10 s ago",
+                           done.stderr)
+    else:
+        named = re.findall(r"stopping every rank: rank 1 has not finished 10 s after rank 0 did "
+                           r"\(hung after training\): rank 1 \(host \S+\) last seen at step 20 "
+                           r"in after_train hooks", done.stderr)
+    assert len(named) == 1, done.stderr[-3000:]
+    assert (tmp_path / "exited_rank0").exists()  # rank 0 left its group: a normal shutdown
+
+
+@pytest.mark.slow
+def test_a_rank_whose_collective_timed_out_ends_without_the_interpreters_shutdown(tmp_path):
+    """Rank 1 sleeps after step 5 while its heartbeat goes on: rank 0's collective times out
+    (nobody is silent) and fails the run, leaving its group joined; rank 0 then ends with its
+    exit code at once, skipping the interpreter's shutdown (its atexit handlers), which would
+    tear gloo down with the failed operation queued and now and then abort (-6). The ranks
+    that end normally still shut down as before."""
+    done = run(_hanging(tmp_path, "step_5", seconds=60), timeout=180)
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "hang_rank1.json").read_text())["step"] == 5
+    assert "stopping every rank: no rank is silent" in done.stderr, done.stderr[-3000:]
+    assert "exitcode  : 1" in done.stderr and "-6" not in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "exited_rank0").exists()  # os._exit, after its last words
 
 
 @pytest.mark.slow

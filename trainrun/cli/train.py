@@ -14,6 +14,7 @@ the worker that failed first.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import sys
@@ -22,14 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
 from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.launch import launch_workers, leave_report
-from trainrun.dist import PeerFailure, infer_launcher
+from trainrun.dist import PeerFailure, end_within, infer_launcher, is_distributed
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
+from trainrun.dist.timeouts import get_timeout
 from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from trainrun.messages import error_line, first_line
 from trainrun.runner.builder import check_types
@@ -467,12 +469,45 @@ def _end(ending: Ending, error: BaseException, runner: Any) -> int:
 def run(cfg: DictConfig, method: str, run_dir: RunDir | None = None) -> int:
     """Build the runner from ``cfg`` and call its ``method`` ('train' or 'test'); it writes
     in ``run_dir`` when given, else in the config's work_dir. A test's own directory
-    (``TestDir``) gets the scores as ``scores.json``."""
+    (``TestDir``) gets the scores as ``scores.json``. A rank of a job of several then has
+    ``dist_timeout`` to end: one stuck at exit says so and ends non-zero (``end_within``).
+    A rank whose run failed in a collective ends at once, its output flushed (``_exit_now``).
+    """
+    ran: list[Any] = []
+    try:
+        code = _run(cfg, method, run_dir, ran)
+    finally:
+        if ran and ran[0].world_size > 1:
+            end_within(get_timeout().total_seconds(), ran[0].rank)
+    if ran and getattr(ran[0], "_owns_group", False) and is_distributed():
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` now, its logs and output flushed, skipping the
+    interpreter's shutdown. A run that failed in a collective leaves its group joined (a
+    collective still waiting on a frozen peer would hold a destroy up for the timeout); the
+    shutdown would then tear gloo down with the failed operation still queued, which aborts
+    the process now and then ('terminate called without an active exception', exit -6 in
+    place of the run's own code)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run(cfg: DictConfig, method: str, run_dir: RunDir | None, ran: list[Any]) -> int:
+    """``run``'s work; the runner, once built, goes into ``ran``."""
     runner = None
     try:
         from trainrun.runner.runner import Runner
 
         with Runner.from_cfg(cfg, run_dir) as runner:  # closed however it ends: see close
+            ran.append(runner)
             try:
                 result = getattr(runner, method)()
                 if isinstance(runner.run_dir, TestDir) and runner.rank == 0:

@@ -24,6 +24,7 @@ from trainrun.dist.collectives import (
     sync_random_seed,
 )
 from trainrun.dist.device import cast_data_device, get_comm_device, get_data_device, get_device
+from trainrun.dist.finish import end_within, finish_together
 from trainrun.dist.heartbeat import (
     PeerFailure,
     at_checkpoint,
@@ -31,6 +32,7 @@ from trainrun.dist.heartbeat import (
     before_process_end,
     is_comm_error,
     phase,
+    report_place,
     set_phase,
     watch_ranks,
 )
@@ -74,11 +76,12 @@ __all__ = [
     "all_gather", "all_gather_object", "all_reduce", "all_reduce_dict", "all_reduce_params",
     "at_checkpoint", "at_step", "before_process_end",
     "barrier", "broadcast", "broadcast_object_list", "cast_data_device", "collect_results",
+    "end_within", "finish_together",
     "collect_results_cpu", "collect_results_gpu", "expand_nodelist", "gather", "gather_object",
     "gather_rows", "get_backend", "get_comm_device", "get_data_device", "get_default_group",
     "get_device", "get_dist_backend", "get_dist_info", "get_local_group", "get_local_rank",
     "get_local_size", "get_rank", "get_world_size", "infer_launcher", "init_dist",
     "init_local_group", "is_comm_error", "is_distributed", "is_main_process", "leave_dist",
-    "master_only", "phase", "reduce", "set_default_dist_backend", "set_phase", "sync_random_seed",
-    "watch_ranks",
+    "master_only", "phase", "reduce", "report_place", "set_default_dist_backend", "set_phase",
+    "sync_random_seed", "watch_ranks",
 ]

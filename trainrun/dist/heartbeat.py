@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -392,6 +393,7 @@ class Heartbeat:
     def start(self) -> None:
         self._started = time.time()
         _place.round_trips.clear()  # a heartbeat before this one's (a test's process) is gone
+        self.store.set(self.key(f"host/{self.rank}"), socket.gethostname())  # for messages
         self._beat()
         self._answered = time.monotonic()
         self._thread.start()
@@ -685,6 +687,22 @@ def end_agent(rank: int, grace: float = AGENT_GRACE) -> None:
 # ---------------------------------------------------------------- starting and stopping
 
 _generation = 0  # heartbeats started in this process: keys of an earlier one are never read
+_active: list[Heartbeat] = []  # the heartbeat ``watch_ranks`` runs, while it runs
+
+
+def report_place() -> None:
+    """Report this rank's place to the job's store now, not at the heartbeat's next beat.
+
+    For a place a job may end in (its last hooks): a run shorter than a beat would otherwise
+    leave the rank's first report ('setup') as the last the others saw. One store request
+    from the calling thread; a no-op without a heartbeat. A store that fails it is left to
+    the heartbeat's own threads to find.
+    """
+    for heartbeat in _active:
+        try:
+            heartbeat._beat()
+        except Exception as error:  # slow or gone: the heartbeat's threads decide
+            log.debug("heartbeat: could not report this rank's place: %s", error)
 
 
 class PeerFailure(RuntimeError):
@@ -777,7 +795,9 @@ def watch_ranks(silent_after: float, training: bool = False) -> Iterator[Heartbe
     heartbeat = Heartbeat(store, torch_dist.get_rank(), torch_dist.get_world_size(),
                           silent_after, _prefix(), STARTERS.get(infer_launcher()), training)
     heartbeat.start()
+    _active.append(heartbeat)
     try:
         yield heartbeat
     finally:
+        _active.remove(heartbeat)
         heartbeat.stop()

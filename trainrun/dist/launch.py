@@ -363,7 +363,9 @@ def init_dist(
     ``LOCAL_WORLD_SIZE`` (and ``MASTER_ADDR``, ``MASTER_PORT``), so code that reads
     torchrun's variables finds the right device under any launcher. With nccl the CUDA device
     is set to the local rank. After joining, the ranks check the group: every rank must agree
-    on the world size N, and the ranks must be 0..N-1 once each (their sum N(N-1)/2).
+    on the world size N, and the ranks must be 0..N-1 once each (their sum N(N-1)/2). A
+    process that has left its group (``leave_dist``) may join again, as a second runner
+    does: each group of the process keeps its keys apart in the job's store.
 
     Args:
         launcher: 'pytorch' (torchrun), 'slurm' (srun) or 'mpi' (mpirun).
@@ -395,13 +397,17 @@ def init_dist(
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     set_timeout(timeout)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if launcher == "pytorch" and restart is not None and "store" not in kwargs:
-        kwargs["store"] = _attempt_store(env, int(restart), timeout)
+    _joins.append(launcher)
+    if "store" not in kwargs and "init_method" not in kwargs and backend != "mpi" and (
+            launcher == "pytorch" and restart is not None or len(_joins) > 1):
+        kwargs["store"] = _job_store(env, restart, len(_joins), timeout)
     else:
         kwargs.setdefault("init_method",
                           f"tcp://{_host_for_url(env.master_addr)}:{env.master_port}")
     torch_dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                   timeout=timeout, **kwargs)
+    if not _kept_stores:  # its server (on rank 0) serves this process's later groups too
+        _kept_stores.append(torch_dist.distributed_c10d._get_default_store())
     check_ranks(env.world_size)
 
 
@@ -420,17 +426,26 @@ def leave_dist() -> None:
     torch_dist.destroy_process_group()
 
 
-def _attempt_store(env: LaunchEnv, attempt: int, timeout: datetime.timedelta
-                   ) -> torch_dist.Store:
-    """The job's store for torchrun's ``attempt`` (its restart count), under a prefix of its
-    own: torchrun (static rendezvous) keeps one store across restarts, where the workers of
-    an earlier attempt left their addresses, and a restarted worker could read one of those
-    and fail to connect to a process that is gone."""
+_joins: list[str] = []  # every group `init_dist` joined in this process, by launcher
+_kept_stores: list[torch_dist.Store] = []  # the first group's store, kept for the later ones
+
+
+def _job_store(env: LaunchEnv, attempt: str | None, join: int, timeout: datetime.timedelta
+               ) -> torch_dist.Store:
+    """The job's store for torchrun's ``attempt`` (its restart count; None: not torchrun)
+    and this process's ``join``-th group, under a prefix of their own. torchrun (static
+    rendezvous) keeps one store across restarts, where the workers of an earlier attempt
+    left their addresses, and a restarted worker could read one of those and fail to connect
+    to a process that is gone; an earlier group of this process (a second ``Runner`` after a
+    first) left its addresses in the same store. Rank 0 serves the store unless torchrun's
+    agent does; the server of this process's first group is kept (``_kept_stores``) and
+    serves the later groups, so no rank can reach a server that is about to close."""
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = torch_dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                                 is_master=env.rank == 0 and not agent_hosts, timeout=timeout,
                                 multi_tenant=True)
-    return torch_dist.PrefixStore(f"trainrun/attempt_{attempt}", store)
+    prefix = "trainrun" if attempt is None else f"trainrun/attempt_{attempt}"
+    return torch_dist.PrefixStore(prefix if join == 1 else f"{prefix}/join_{join}", store)
 
 
 def _host_for_url(host: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainrun.dist import at_step, phase, set_phase
+from trainrun.dist import at_step, phase, report_place, set_phase
 from trainrun.dist.device import autocast_dtype
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.schema import ConfigError, fields, integer, nullable
@@ -78,6 +78,9 @@ class TrainLoop:
         runner.call_hook("before_train")
         while not runner.train_done():
             self.run_epoch()
+        at_step(runner.iter, done=runner.iter)  # the last step, not one after it
+        set_phase("after_train hooks")
+        report_place()  # where the job would end if this rank hung now
         runner.call_hook("after_train")
 
     def run_epoch(self) -> None:

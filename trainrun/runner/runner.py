@@ -29,12 +29,15 @@ from trainrun.dist import (
     at_checkpoint,
     barrier,
     broadcast_object_list,
+    finish_together,
     get_dist_info,
     init_dist,
     is_comm_error,
     is_distributed,
     leave_dist,
     phase,
+    report_place,
+    set_phase,
     watch_ranks,
 )
 from trainrun.dist.timeouts import get_timeout
@@ -407,20 +410,24 @@ class Runner:
         self.training = True
         self.call_hook("before_run")
         try:
-            # a stop signal that comes while a failure is being explained (torchrun passing
-            # one on as it gives up) is only recorded: the explanation is what the user needs
-            with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat, \
-                    stop_signals(self.stop_signals) as self.stop_request:
-                try:
-                    with training_failures(self, heartbeat):
-                        self.train_loop.run()
-                finally:
-                    self.training = False
-                    self.stop_request = None
-            if self.stop_reason is not None and self.checkpoints.last_saved is not None:
-                self.logger.info("%s; checkpoint %s written", self.stop_reason,
-                                 self.checkpoints.last_saved.name)
-            self.call_hook("after_run")
+            # the heartbeat goes on through after_run: a rank that hangs there is ended by it
+            # once another rank has named it (see close), whatever the launcher does
+            with watch_ranks(get_timeout().total_seconds(), training=True) as heartbeat:
+                # a stop signal that comes while a failure is being explained (torchrun passing
+                # one on as it gives up) is only recorded: the explanation is what the user needs
+                with stop_signals(self.stop_signals) as self.stop_request:
+                    try:
+                        with training_failures(self, heartbeat):
+                            self.train_loop.run()
+                    finally:
+                        self.training = False
+                        self.stop_request = None
+                if self.stop_reason is not None and self.checkpoints.last_saved is not None:
+                    self.logger.info("%s; checkpoint %s written", self.stop_reason,
+                                     self.checkpoints.last_saved.name)
+                set_phase("after_run hooks")
+                report_place()  # where the job would end if this rank hung now
+                self.call_hook("after_run")
         except BaseException as error:  # closed by on_error already, unless after it
             self._close_trackers(error)
             raise
@@ -610,23 +617,36 @@ class Runner:
         self.close(error)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Let go of the run directory, drop model and optimiser, then leave the process group
-        if this runner joined it (``error``: what ended the run, if any).
+        """Let go of the run directory, drop model and optimiser, wait for the other ranks to
+        finish too, then leave the process group if this runner joined it (``error``: what
+        ended the run, if any).
 
-        DDP's reducer must be gone before the group is destroyed, or gloo can abort at exit.
-        After a failed collective the group is not destroyed: a collective still waiting on a
-        frozen peer would hold the destroy up for the timeout.
+        A run that ended normally waits (at most ``dist_timeout``) until every rank has come
+        here: a rank that hangs after training (in its last hooks, or before it closes) is
+        named then, and the error raised on every rank that waited (a non-zero exit, which
+        makes a launcher such as torchrun end the hung rank). What is published under
+        ``checkpoints/`` stays as it is. DDP's reducer must be gone before the group is
+        destroyed, or gloo can abort at exit. After a failed collective the group is not
+        destroyed: a collective still waiting on a frozen peer would hold the destroy up for
+        the timeout.
 
         Args:
             error: the exception that ended the run, or None.
+
+        Raises:
+            PeerFailure: another rank did not finish within ``dist_timeout`` of this one.
         """
         self.checkpoints.abandon()
         self.metrics_file.close()
         if self.run_lock is not None:
             self.run_lock.release()
         self.model = self.optimizer = self.optim_wrapper = self.train_loop = None
-        self.strategy.teardown()
-        self._leave_group(error)
+        try:
+            if error is None:
+                finish_together(get_timeout().total_seconds())
+        finally:
+            self.strategy.teardown()
+            self._leave_group(error)
 
     def _leave_group(self, error: BaseException | None) -> None:
         """Leave the process group this runner joined (`dist.leave_dist` says why before the
