@@ -488,10 +488,9 @@ class Heartbeat:
         (``end_agent``)."""
         if self._stop.is_set():
             return
-        if not unanswered:
-            exit_saying(self.lost_contact(reason))
         _say_error(self.lost_contact(reason))
-        end_agent(self.rank)
+        if unanswered:
+            end_agent(self.rank)
         os._exit(RANK_LOST_EXIT)
 
     def end_agent_at_exit(self) -> None:

@@ -629,7 +629,7 @@ class DeepSpeedStrategy(Strategy):
                                        settings["precision"])
         model = model.to(device)
         if self.compile_options is not None:
-            if _lookup(self.config, "zero_optimization.stage") == 3:
+            if self._stage() == 3:
                 raise ValueError(NO_COMPILE_AT_ZERO_3)
             compile_module(model, "model", self.compile_options)
         if make_optimizer is None:  # evaluation only: no engine needed
@@ -649,7 +649,7 @@ class DeepSpeedStrategy(Strategy):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=self.config)
         self.engine = engine
-        if _lookup(self.config, "zero_optimization.stage") == 3:
+        if self._stage() == 3:
             share_fp32_master(engine.optimizer)
         return MMDeepSpeedEngineWrapper(engine, settings["precision"]), optimizer
 
@@ -690,8 +690,7 @@ class DeepSpeedStrategy(Strategy):
     @contextlib.contextmanager
     def _gathered(self, model: nn.Module, modifier_rank: int | None) -> Any:
         """ZeRO-3's partitioned parameters whole for the duration (every rank must enter)."""
-        stage = _lookup(self.config or {}, "zero_optimization.stage")
-        if self.engine is None or stage != 3:
+        if not self._partitioned():
             yield
             return
         import deepspeed
@@ -718,8 +717,7 @@ class DeepSpeedStrategy(Strategy):
     # ---------------------------------------------- ZeRO-3's partitions (see Strategy's four)
 
     def _partitioned(self) -> bool:
-        return self.engine is not None and \
-            _lookup(self.config or {}, "zero_optimization.stage") == 3
+        return self.engine is not None and self._stage() == 3
 
     def param_shards(self, model: nn.Module) -> dict[str, Tensor]:
         """Under ZeRO-3, each parameter's partition on this rank (``ds_tensor``: flat, of one

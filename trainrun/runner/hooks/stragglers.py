@@ -81,22 +81,24 @@ def standout(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
 def _slow_link(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
     if any(len(interval) <= TRIP for interval in ranks):
         return None
-    trips = [interval[TRIP] for interval in ranks]
-    rank = max(range(len(trips)), key=trips.__getitem__)
-    median = statistics.median(trips[:rank] + trips[rank + 1:])
-    if trips[rank] >= RATIO * median and trips[rank] - median >= LINK_FLOOR:
-        return rank, LINK, trips[rank], median
-    return None
+    found = _slowest([interval[TRIP] for interval in ranks], LINK_FLOOR)
+    return None if found is None else (found[0], LINK, *found[1:])
 
 
 def _above_others(ranks: Sequence[Interval], phase: int, iteration: float
                   ) -> tuple[int, int, float, float] | None:
-    values = [interval[phase] for interval in ranks]
+    found = _slowest([interval[phase] for interval in ranks], SHARE * iteration)
+    return None if found is None else (found[0], phase, *found[1:])
+
+
+def _slowest(values: Sequence[float], floor: float) -> tuple[int, float, float] | None:
+    """The rank with the largest of ``values`` where it is at least `RATIO` times the median
+    of the other ranks' and longer by ``floor`` at least: ``(rank, value, median)``; else
+    None."""
     rank = max(range(len(values)), key=values.__getitem__)
-    median = statistics.median(values[:rank] + values[rank + 1:])
-    seconds = values[rank]
-    if seconds >= RATIO * median and seconds - median >= SHARE * iteration:
-        return rank, phase, seconds, median
+    median = statistics.median([*values[:rank], *values[rank + 1:]])
+    if values[rank] >= RATIO * median and values[rank] - median >= floor:
+        return rank, values[rank], median
     return None
 
 
