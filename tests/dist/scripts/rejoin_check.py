@@ -50,5 +50,7 @@ def runners(work_dir: str) -> list[float]:
 if __name__ == "__main__":
     began = time.monotonic()
     found = joins() if sys.argv[1] == "dist" else runners(sys.argv[2])
-    print(json.dumps({"rank": int(os.environ["RANK"]), "found": found,
-                      "seconds": time.monotonic() - began}), flush=True)
+    report = {"rank": int(os.environ["RANK"]), "found": found, "seconds": time.monotonic() - began}
+    # one write call: the ranks share stdout, and print() may write the line and its newline
+    # apart, so another rank's line can land between them
+    os.write(sys.stdout.fileno(), (json.dumps(report) + "\n").encode())
