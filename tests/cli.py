@@ -57,9 +57,9 @@ def use_env(monkeypatch: pytest.MonkeyPatch, wanted: Mapping[str, str]) -> None:
         monkeypatch.setenv(key, value)
 
 
-def torchrun(*args: str) -> list[str]:
-    """``tools/train.py ARGS`` on 2 processes under torchrun, on a free port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+def torchrun(*args: str, nproc: int = 2) -> list[str]:
+    """``tools/train.py ARGS`` on ``nproc`` processes under torchrun, on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_port", str(free_port()), str(TRAIN), *args]
 
 

@@ -189,3 +189,26 @@ def export_runs(tmp_path_factory: pytest.TempPathFactory, run_on: Callable
         states = run_on(2)(_export_body, str(base / name), strategy)
         out[name] = (base / name, states[0])
     return out
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+TINYLM = Path(__file__).resolve().parents[1] / "configs" / "tinylm_fsdp.yaml"
+TP_STEPS = 40
+TP_OPTIONS = [f"schedule.max_iters={TP_STEPS}", "schedule.val_interval=20",
+              "checkpoint.interval=20", "logging.interval=1"]
+
+
+@shared_run
+def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The shipped tinylm config for ``TP_STEPS`` steps, checkpointed at 20 and 40: under
+    fsdp with tp=2 on 4 processes (``tp``: 2 data-parallel ranks) and under ddp on 2
+    (``ddp``: the same global batch). Their run directories, by name."""
+    root = tmp_path_factory.mktemp("tp")
+    runs = {"tp": (4, str(TINYLM), ["strategy.tp=2"]),
+            "ddp": (2, str(TINYLM.with_name("tinylm_ddp.yaml")), [])}
+    for name, (nproc, config, options) in runs.items():
+        done = run(torchrun(config, "--launcher", "pytorch", "--work-dir", str(root / name),
+                            "--cfg-options", *TP_OPTIONS, *options, nproc=nproc), timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+    return {name: root / name for name in runs}

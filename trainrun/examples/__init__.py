@@ -9,6 +9,7 @@ from trainrun.registry import DATASETS, METRICS, MODELS
 
 MODELS.register("DigitsMLP", "trainrun.examples.digits:DigitsMLP")
 MODELS.register("HFGPT2", "trainrun.examples.hf_gpt2:HFGPT2")  # needs the extra hf
+MODELS.register("HFLlama", "trainrun.examples.hf_llama:HFLlama")  # needs the extra hf
 MODELS.register("TinyLM", "trainrun.examples.tinylm:TinyLM")
 MODELS.register("ToyGAN", "trainrun.examples.gan:ToyGAN")
 

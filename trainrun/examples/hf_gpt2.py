@@ -56,18 +56,24 @@ class HFGPT2(BaseModel):
         self.model = GPT2LMHeadModel(config)
 
     def forward(self, batch: dict[str, Tensor], mode: str = "loss") -> Any:
-        if mode not in ("loss", "predict"):
-            raise ValueError(f"mode must be 'loss' or 'predict'; got {mode!r}")
-        inputs, labels, mask = batch["inputs"], batch["labels"], batch.get("inputs_mask")
-        if inputs.size(1) > self.block_size:
-            raise ValueError(f"sequence of {inputs.size(1)} tokens is longer than block_size "
-                             f"{self.block_size}")
-        logits = self.model(input_ids=inputs, attention_mask=mask).logits
-        if mask is not None:
-            labels = labels.masked_fill(~mask, IGNORE)
-        token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                     ignore_index=IGNORE, reduction="none").view_as(labels)
-        real = (labels != IGNORE).sum(1)
-        if mode == "loss":
-            return {"loss": token_loss.sum() / real.sum()}
-        return token_loss.sum(1) / real
+        return causal_lm_step(self.model, self.block_size, batch, mode)
+
+
+def causal_lm_step(model: Any, block_size: int, batch: dict[str, Tensor], mode: str) -> Any:
+    """A Hugging Face causal LM's ``forward`` for trainrun (see `HFGPT2`): ``{'loss': ...}`` in
+    loss mode, each sample's mean loss over its real tokens in predict mode."""
+    if mode not in ("loss", "predict"):
+        raise ValueError(f"mode must be 'loss' or 'predict'; got {mode!r}")
+    inputs, labels, mask = batch["inputs"], batch["labels"], batch.get("inputs_mask")
+    if inputs.size(1) > block_size:
+        raise ValueError(f"sequence of {inputs.size(1)} tokens is longer than block_size "
+                         f"{block_size}")
+    logits = model(input_ids=inputs, attention_mask=mask).logits
+    if mask is not None:
+        labels = labels.masked_fill(~mask, IGNORE)
+    token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                 ignore_index=IGNORE, reduction="none").view_as(labels)
+    real = (labels != IGNORE).sum(1)
+    if mode == "loss":
+        return {"loss": token_loss.sum() / real.sum()}
+    return token_loss.sum(1) / real

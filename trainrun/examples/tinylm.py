@@ -183,25 +183,31 @@ class CharLines(CharCorpus):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which each position sees itself and the ones before."""
+    """Multi-head self-attention in which each position sees itself and the ones before.
+
+    ``qkv`` is one Linear whose output is q, k and v side by side; under tensor parallelism
+    (``colwise_fused:3``) each rank holds its share of the heads of each, so the heads are
+    counted from the output, not fixed.
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
         self.n_head = n_head
+        self.head_width = n_embd // n_head
         self.dropout = dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, length, width = x.shape
+        batch, length, _ = x.shape
         # (3, batch, heads, length, head width)
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(batch, length, 3, -1, self.head_width).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, length, width)))
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
 class Block(nn.Module):
@@ -271,6 +277,18 @@ class TinyLM(BaseModel):
         if mode == "loss":
             return {"loss": token_loss.mean()}
         return token_loss.mean(1)
+
+    def tp_plan(self) -> dict[str, str]:
+        """How tensor parallelism (``strategy.tp``) splits this model: the vocabulary of the
+        (tied) embedding and output layer, each block's heads and its MLP's hidden width."""
+        return {
+            "token_emb": "vocab_embedding",
+            "blocks.*.attn.qkv": "colwise_fused:3",
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.0": "colwise",
+            "blocks.*.mlp.2": "rowwise",
+            "head": "colwise_gather_output",
+        }
 
     @torch.no_grad()
     def generate(self, ids: Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -121,7 +121,7 @@ def build_model(cfg: Mapping[str, Any]) -> nn.Module:
 
 
 def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
-                     key: str = "data") -> DataLoader:
+                     key: str = "data", ranks: tuple[int, int] | None = None) -> DataLoader:
     """A loader over the data set ``cfg`` (the config's ``key``) names, dealt to ranks by a
     `ResumableSampler`.
 
@@ -130,8 +130,10 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
     every sample under a seed of its own (`SeededSamples`): in the workers, random
     augmentation would otherwise depend on which worker served which batch since the epoch
     (or the resumed run) began. Without workers the data set draws from the main process's
-    streams, which checkpoints save.
+    streams, which checkpoints save. ``ranks`` is (this rank's place, the places) the data is
+    dealt to, where ranks share batches (tensor parallelism); None: (rank, world size).
     """
+    rank, world_size = ranks or get_dist_info()
     if "dataset" in cfg:  # built already (check_built_set)
         dataset = cfg["dataset"]
         name, loader = type(dataset).__name__, {k: v for k, v in cfg.items() if k != "dataset"}
@@ -142,11 +144,12 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
         section_keys = ("type", *LOADER_OPTIONS, *(() if train else ("metrics",)))
         dataset = construct(key, "dataset", name, options, also_known=section_keys)
     if isinstance(dataset, IterableDataset):
-        return _stream_loader(dataset, key, name, train, loader)
+        return _stream_loader(dataset, key, name, train, loader, rank, world_size)
     shuffle = loader.pop("shuffle", train)
     num_workers = loader.get("num_workers", 0)
     seeded = train and num_workers > 0
-    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, sample_seeds=seeded)
+    sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, num_replicas=world_size,
+                               rank=rank, sample_seeds=seeded)
     if seeded:
         dataset = SeededSamples(dataset)
     return DataLoader(
@@ -164,14 +167,13 @@ def build_dataloader(cfg: Mapping[str, Any], seed: int, train: bool,
 
 
 def _stream_loader(dataset: IterableDataset, key: str, name: str, train: bool,
-                   loader: dict[str, Any]) -> DataLoader:
+                   loader: dict[str, Any], rank: int, world_size: int) -> DataLoader:
     """A loader over this rank's share of a stream (see `trainrun.runner.stream`); only for
     training, where a stream is read once through in step on every rank."""
     from trainrun.runner.stream import build_stream_loader
 
     if not train:
         raise ConfigError(f"{key}.type: {name} is an IterableDataset; {STREAM_ONLY_TRAIN}")
-    rank, world_size = get_dist_info()
     return build_stream_loader(
         dataset, key, rank, world_size, loader.get("batch_size", DEFAULT_BATCH_SIZE),
         loader.get("drop_last", False), loader,

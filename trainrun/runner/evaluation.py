@@ -78,7 +78,7 @@ class BaseMetric(ABC):
             ``val/<set>/<key>``.
         """
 
-    def evaluate(self, size: int) -> dict[str, float]:
+    def evaluate(self, size: int, replicas: int = 1) -> dict[str, float]:
         """Gather every rank's results (``size`` samples in all) and compute on rank 0; the
         values reach every rank.
 
@@ -87,6 +87,8 @@ class BaseMetric(ABC):
         Args:
             size: the number of samples in the data set (the sampler's padding beyond it is
                 cut).
+            replicas: how many consecutive ranks were dealt the same samples (tensor-parallel
+                peers): their results count once.
 
         Returns:
             What ``compute`` returned, on every rank.
@@ -95,7 +97,9 @@ class BaseMetric(ABC):
             MetricError: ``compute`` failed on rank 0 (raised on every rank, naming the
                 metric and the error).
         """
-        everything = collect_results(self.results, size, device=self.collect_device)
+        everything = collect_results(self.results, size * replicas, device=self.collect_device)
+        if everything is not None and replicas > 1:  # each sample's results side by side
+            everything = everything[::replicas]
         self.results = []
         values: list[Any] = [None]
         if is_main_process():

@@ -181,10 +181,11 @@ class EvalLoop:
                 outputs = step(batch)
             for metric in metrics:
                 metric.process(batch, outputs)
-        size = len(loader.dataset)
+        size, peers = len(loader.dataset), runner.strategy.model_parallel_size
         results: dict[str, float] = {}
-        for metric in metrics:
-            results.update(metric.evaluate(size))
+        for metric in metrics:  # (a metric of MMEngine's may take no replicas)
+            results.update(metric.evaluate(size) if peers == 1 else
+                           metric.evaluate(size, replicas=peers))
         return results
 
 

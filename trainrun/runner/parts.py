@@ -119,11 +119,18 @@ class PartBuilder:
             return loader
         key = key or f"data.{split}"
         section = self.section(partial(check_loader, split=split), key, loader)
-        built = build_dataloader(section, self.runner.seed, split == "train", key=key)
+        built = build_dataloader(section, self.runner.seed, split == "train", key=key,
+                                 ranks=self.data_ranks())
         if is_stream(built) and self.runner.rank == 0:
             for warning in stream_warnings(key, section, built.dataset.dataset):
                 self.runner.logger.warning(warning)
         return built
+
+    def data_ranks(self) -> tuple[int, int]:
+        """This rank's place among the ranks the data is dealt to, and their number: tensor-
+        parallel peers (the strategy's ``model_parallel_size`` consecutive ranks) share one."""
+        peers = self.runner.strategy.model_parallel_size
+        return self.runner.rank // peers, self.runner.world_size // peers
 
     def val_loaders(self, loaders: Any) -> DataLoader | dict[str, DataLoader] | None:
         """The validation loader, or for several validation sets (a mapping of names to
@@ -145,7 +152,7 @@ class PartBuilder:
                                   f"{loader.dataset.workers} worker(s)")
             return
         if isinstance(section, Mapping) and loader is not None and len(loader) == 0:
-            check_batches("data.train", len(loader.dataset), self.runner.world_size,
+            check_batches("data.train", len(loader.dataset), self.data_ranks()[1],
                           loader.batch_size, loader.drop_last)
 
     def val_metrics(self, metrics: Sequence[BaseMetric] | Mapping[str, Sequence[BaseMetric]]

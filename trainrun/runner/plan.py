@@ -265,6 +265,14 @@ class Plan:
     warnings: list[str]
 
 
+def data_ranks(cfg: Mapping[str, Any], world_size: int) -> int:
+    """The ranks the training data is dealt to among ``world_size``: fewer where the
+    strategy's ranks share batches (``model_parallel_size``, tensor parallelism)."""
+    strategy = STRATEGIES[cfg["strategy"]["type"]]
+    peers = strategy(**strategy.options_in(cfg)).model_parallel_size
+    return world_size // peers if peers >= 1 and world_size % peers == 0 else world_size
+
+
 def make_plan(cfg: DictConfig, world_size: int | None = None) -> Plan:
     """The dry run's checks on the built parts: a training set that leaves no batch,
     options the model (built on the meta device) refuses, and a hook's options that building
@@ -290,7 +298,8 @@ def make_plan(cfg: DictConfig, world_size: int | None = None) -> Plan:
     length, why = train_set_length(cfg)
     if length is not None:
         train = cfg.data.train
-        check_batches("data.train", length, world_size, train.batch_size, train.drop_last)
+        check_batches("data.train", length, data_ranks(cfg, world_size), train.batch_size,
+                      train.drop_last)
     plain = OmegaConf.to_container(cfg, resolve=True)
     model = build_meta_model(plain)  # once, for the groups and the memory plan
     groups, warnings = plan_param_groups(plain, model)
@@ -480,8 +489,10 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
     if world_size is None:
         world_size, note = env_world_size(cfg["launcher"])
     train, optim = cfg["data"]["train"], cfg["optim"]
-    batch = train["batch_size"]
-    effective = batch * world_size * optim["accumulate"]
+    batch, data = train["batch_size"], data_ranks(cfg, world_size)
+    effective = batch * data * optim["accumulate"]
+    ranks = f"{world_size} ranks" if data == world_size else \
+        f"{data} data-parallel ranks ({world_size} / tp {world_size // data})"
     schedule = cfg["schedule"]
     length = "size unknown" if dataset_length is None else f"{dataset_length} items"
     rows = [
@@ -492,9 +503,9 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("devices", _devices(cfg["launcher"], world_size)),
         ("model", cfg["model"]["type"]),
         ("train data", _data(train, length)),
-        ("batch size", f"{batch} per rank; effective {batch} x {world_size} ranks x "
+        ("batch size", f"{batch} per rank; effective {batch} x {ranks} x "
                        f"{optim['accumulate']} accumulated = {effective}"),
-        ("iterations", _steps(cfg, world_size, dataset_length)),
+        ("iterations", _steps(cfg, data, dataset_length)),
         ("schedule", _unit(schedule, schedule["max_epochs"] or schedule["max_iters"])),
         *_validation(cfg),
         ("optimiser", _optimiser(optim)),

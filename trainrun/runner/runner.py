@@ -231,6 +231,7 @@ class Runner:
                                        else model)
             shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
             build = PartBuilder(self)
+            self.strategy = build.strategy(strategy)  # it says which ranks share batches
             self.train_dataloader = build.loader(train_dataloader, "train")
             self.val_dataloader = build.val_loaders(val_dataloader)
             self.test_dataloader = build.loader(test_dataloader, "test")
@@ -239,7 +240,6 @@ class Runner:
             self.test_metrics = build.metrics(test_metrics, test_dataloader,
                                               self.test_dataloader, "data.test")
 
-            self.strategy = build.strategy(strategy)
             self.model, self.optimizer, self.optim_wrapper = build.wrapped_model(
                 model, optim, compile, precision)
 

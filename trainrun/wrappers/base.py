@@ -75,6 +75,9 @@ class Strategy(Checkpointing, Sharding, ABC):
             for it).
         compile_options: the ``compile`` options (``COMPILE_DEFAULTS``' keys) ``use_compile``
             gave; None: no compiling.
+        model_parallel_size: how many consecutive ranks hold one copy of the model between
+            them (tensor-parallel peers): they see the same batches, so the data is dealt to
+            the world size divided by it; 1 for strategies where every rank has its own.
         options: the options given, over ``OPTIONS``' defaults.
 
     Args:
@@ -91,6 +94,7 @@ class Strategy(Checkpointing, Sharding, ABC):
     WRAPPERS: ClassVar[tuple[type | str, ...]] = ()
     COMPILES: ClassVar[str | None] = None
     compile_options: dict[str, Any] | None = None
+    model_parallel_size: int = 1
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.OPTIONS))

@@ -41,6 +41,15 @@ from trainrun.registry import FORMATS
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
 from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
+from trainrun.wrappers.tensor_parallel import (
+    apply_plan,
+    check_plan,
+    model_plan,
+    split_after_checkpoint,
+    split_shapes,
+    split_within_parts,
+    whole_for_checkpoint,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -90,19 +99,44 @@ def check_wrap_keys(wrap: Mapping[str, Any] | None) -> None:
         raise ValueError(f"strategy.wrap takes classes and min_params; not {unknown[0]!r}")
 
 
-def device_mesh(sharding: str, device: torch.device, shard_size: int | None) -> DeviceMesh:
-    """1-D over all ranks (full, grad_op), or 2-D (replicate, shard) for none and hybrid."""
+def check_tp(tp: Any, world: int | None = None) -> None:
+    """Refuse a ``strategy.tp`` that is not a positive int, or that does not divide ``world``
+    (where known)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"strategy.tp must be a positive int (the tensor-parallel ranks); "
+                         f"got {tp!r}")
+    if world is not None and world % tp:
+        raise ValueError(f"strategy.tp: {tp} must divide the world size; got {world} "
+                         f"process(es)")
+
+
+def device_mesh(sharding: str, device: torch.device, shard_size: int | None,
+                tp: int = 1) -> DeviceMesh:
+    """The ranks as a mesh of named dimensions: ``dp_shard`` (full, grad_op) or
+    ``dp_replicate`` x ``dp_shard`` (none, hybrid), then ``tp`` where ``tp`` > 1. A rank's
+    tensor-parallel peers are consecutive ranks (on one node, where it has ``tp`` or more)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = get_world_size()
+    check_tp(tp, world)
+    data = world // tp
     if sharding in ("full", "grad_op"):
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    size = 1 if sharding == "none" else shard_size or get_local_size()
-    if size < 1 or world % size:
-        raise ValueError(f"strategy.hybrid_shard_size must divide the world size {world}; "
-                         f"got {size}")
-    return init_device_mesh(device.type, (world // size, size),
-                            mesh_dim_names=("replicate", "shard"))
+        dims = {"dp_shard": data}
+    else:
+        size = 1 if sharding == "none" else shard_size or max(get_local_size() // tp, 1)
+        if size < 1 or data % size:
+            raise ValueError(f"strategy.hybrid_shard_size must divide the data-parallel ranks "
+                             f"({data} = world size {world} / tp {tp}); got {size}")
+        dims = {"dp_replicate": data // size, "dp_shard": size}
+    if tp > 1:
+        dims["tp"] = tp
+    return init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of ``mesh`` that ``fully_shard`` shards and replicates over."""
+    names = [name for name in mesh.mesh_dim_names if name.startswith("dp_")]
+    return mesh if len(names) == mesh.ndim else mesh[tuple(names)]
 
 
 def shard_units(model: nn.Module, wrap: dict[str, Any] | None) -> list[nn.Module]:
@@ -190,6 +224,16 @@ def compile_units(model: nn.Module, units: list[nn.Module], options: dict[str, A
                        options)
 
 
+def _data_parallel_placement(param: nn.Parameter) -> Any:
+    """How ``fully_shard`` cuts ``param`` over the data-parallel ranks: its rows (None: the
+    default), or its columns where tensor parallelism already cut the rows within parts
+    (``colwise_fused``): two strided cuts of one dimension do not compose in DTensor, whose
+    whole tensor would then come out in the wrong order."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.ndim > 1 and split_within_parts(param) else None
+
+
 class MMFullyShardedDataParallel(nn.Module):
     """A model sharded with ``fully_shard``, behind ``train_step``/``val_step``/``test_step``.
 
@@ -218,22 +262,30 @@ class MMFullyShardedDataParallel(nn.Module):
         compile: ``torch.compile`` options (see ``compile_module``) for each unit, or for the
             whole model where no unit is named, before it is sharded (its hooks stay eager);
             None: no compiling.
+        tp: the tensor-parallel ranks: consecutive ranks that split each planned layer
+            between them (see ``trainrun.wrappers.tensor_parallel``); 1: none.
+        tp_plan: module-name patterns to tensor-parallel styles; None: the model's own.
 
     Raises:
         ValueError: an unknown sharding, dtype name or wrap key, a class ``wrap`` names that
-            the model does not have, a ``hybrid_shard_size`` that does not divide the world
-            size, or ``activation_checkpointing`` without shard units.
+            the model does not have, a ``hybrid_shard_size`` or ``tp`` that does not divide
+            the world size, ``activation_checkpointing`` without shard units, or ``tp`` > 1
+            without a plan.
     """
 
     def __init__(self, module: nn.Module, sharding: str = "full",
                  mixed_precision: dict[str, Any] | None = None, cpu_offload: bool = False,
                  wrap: dict[str, Any] | None = None, activation_checkpointing: bool = False,
                  hybrid_shard_size: int | None = None, device: torch.device | None = None,
-                 compile: dict[str, Any] | None = None):
+                 compile: dict[str, Any] | None = None, tp: int = 1,
+                 tp_plan: dict[str, str] | None = None):
         super().__init__()
         check_sharding(sharding)
         device = device or next(module.parameters()).device
         units = shard_units(module, wrap)
+        mesh = device_mesh(sharding, device, hybrid_shard_size, tp)
+        if tp > 1:
+            apply_plan(module, model_plan(module, tp_plan, tp), mesh["tp"])
         if activation_checkpointing:
             if not units:
                 raise ValueError("strategy.activation_checkpointing checkpoints the shard "
@@ -247,10 +299,12 @@ class MMFullyShardedDataParallel(nn.Module):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         kwargs: dict[str, Any] = {
-            "mesh": device_mesh(sharding, device, hybrid_shard_size),
+            "mesh": data_mesh(mesh),
             "reshard_after_forward": sharding != "grad_op",
             "mp_policy": mixed_precision_policy(mixed_precision),
         }
+        if tp > 1:
+            kwargs["shard_placement_fn"] = _data_parallel_placement
         if cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for unit in units:
@@ -258,6 +312,7 @@ class MMFullyShardedDataParallel(nn.Module):
         fully_shard(module, **kwargs)
         self.module = module
         self.units = units
+        self.mesh = mesh
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -285,13 +340,20 @@ class MMFullyShardedDataParallel(nn.Module):
 
 def _sharded_state(module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
     """This rank's shards of model and optimiser, keyed by the plain model's names: what DCP
-    saves, and the template it loads into."""
+    saves, and the template it loads into (tensors that a tensor-parallel fused layer splits
+    within its parts are whole: see `whole_for_checkpoint`)."""
+    return _checkpoint_state(module, optimizer)[0]
+
+
+def _checkpoint_state(module: nn.Module, optimizer: Optimizers | None
+                      ) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]:
+    """`_sharded_state`, and the tensors made whole in it (for `split_after_checkpoint`)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(
         module, [optimizer] if optimizer is not None else [])
-    return {"model": model_state} if optimizer is None else \
-        {"model": model_state, "optimizer": optim_state}
+    return whole_for_checkpoint({"model": model_state} if optimizer is None else
+                                {"model": model_state, "optimizer": optim_state})
 
 
 def _start_directory(path: str, extra: dict[str, Any]) -> None:
@@ -325,7 +387,13 @@ class FSDPStrategy(Strategy):
         activation_checkpointing: recompute the shard units' activations in backward (needs
             ``wrap``).
         hybrid_shard_size: the ranks in each sharding group under ``hybrid``; None: a
-            node's ranks.
+            node's ranks (divided by ``tp``).
+        tp: the tensor-parallel ranks: consecutive ranks that split each layer the plan
+            names between them, and see the same batches; the data-parallel ranks are the
+            world size divided by it.
+        tp_plan: module-name patterns to tensor-parallel styles (see
+            ``trainrun.wrappers.tensor_parallel``); None: the model's ``tp_plan``, else a
+            Hugging Face model's own.
     """
 
     name = "fsdp"
@@ -344,6 +412,8 @@ class FSDPStrategy(Strategy):
         "wrap": None,
         "activation_checkpointing": False,
         "hybrid_shard_size": None,
+        "tp": 1,
+        "tp_plan": None,
     }
     ACCEPTS = {
         "sharding": f"one of {', '.join(SHARDINGS)}",
@@ -352,11 +422,15 @@ class FSDPStrategy(Strategy):
         "wrap": "null or {classes: [class names], min_params: an int}",
         "activation_checkpointing": "true or false",
         "hybrid_shard_size": "null or an int that divides the world size",
+        "tp": "a positive int that divides the world size",
+        "tp_plan": "null or {module-name pattern: colwise | rowwise | colwise_gather_output | "
+                   "colwise_fused:N | vocab_embedding}",
     }
 
     def __init__(self, **options: Any):
         super().__init__(**options)
         self._save_group: torch_dist.ProcessGroup | None = None  # async saves' collectives
+        self.model_parallel_size = self.options["tp"]
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -365,6 +439,9 @@ class FSDPStrategy(Strategy):
         check_sharding(options["sharding"])
         mixed_precision_policy(options["mixed_precision"])
         check_wrap_keys(options["wrap"])
+        check_tp(options["tp"])
+        if options["tp_plan"] is not None:
+            check_plan(options["tp_plan"])
         if (cfg.get("optim") or {}).get("per_module"):
             raise ValueError("strategy 'fsdp' takes one optimiser over the whole model "
                              "(optim.per_module is for separate_ddp)")
@@ -377,14 +454,27 @@ class FSDPStrategy(Strategy):
         S ranks (all for full and grad_op, 1 for none, a node or ``hybrid_shard_size`` for
         hybrid); all in the model's dtype (``mixed_precision`` casts only the gathered copy),
         on the CPU with ``cpu_offload``. The parameters gathered whole while a shard unit
-        computes are named beside it, not counted."""
+        computes are named beside it, not counted. Under ``tp``, S counts the data-parallel
+        ranks, and each parameter the tensor-parallel plan splits is first cut in ``tp``.
+
+        Raises:
+            ValueError: ``tp`` does not divide ``world_size``, or the model (where given) has
+                no plan under ``tp`` > 1, or the plan names modules it does not have."""
         options = cls.options_in(cfg)
-        size, how = _shard_group(options, world_size)
-        plan = replicated(specs, lambda spec: _shard_numel(spec.shape, size) * spec.itemsize,
+        tp = options["tp"]
+        check_tp(tp, world_size)
+        split = split_shapes(model, model_plan(model, options["tp_plan"], tp), tp) \
+            if tp > 1 and model is not None else {}
+        size, how = _shard_group(options, world_size // tp)
+        plan = replicated(specs, lambda spec: _shard_numel(split.get(spec.name, spec.shape),
+                                                           size) * spec.itemsize,
                           cpu=bool(options["cpu_offload"]))
         plan.notes.append(f"sharded over {how}" + ("; all of it offloaded to the CPU "
                                                    "(cpu_offload)" if options["cpu_offload"]
                                                    else ""))
+        if split:
+            plan.notes.append(f"tensor parallel over {tp} ranks (strategy.tp): {len(split)} "
+                              f"parameters split by the plan, the others whole on each")
         gathered = _gathered_note(model, options) if model is not None else None
         if gathered is not None and size > 1:  # (built on any world size: checks the wrap)
             plan.notes.append(gathered)
@@ -397,6 +487,7 @@ class FSDPStrategy(Strategy):
             model = MMFullyShardedDataParallel(model, device=device,
                                                compile=self.compile_options, **self.options)
         else:
+            check_tp(self.options["tp"], 1)
             log.info("strategy 'fsdp' in a single process: the model is not sharded")
             if self.compile_options is not None:
                 compile_units(model, shard_units(model, self.options["wrap"]),
@@ -545,7 +636,7 @@ class FSDPStrategy(Strategy):
 
         check_metadata(path)
         module = self.unwrap(model)
-        state = _sharded_state(module, optimizer)
+        state, made_whole = _checkpoint_state(module, optimizer)
         try:
             with quiet_single_process():
                 dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
@@ -554,6 +645,7 @@ class FSDPStrategy(Strategy):
                 raise OptimizerMismatch(f"its optimiser state does not fit this run's "
                                         f"optimiser ({OPTIMIZER_MISMATCH_HINT})") from None
             raise
+        split_after_checkpoint(state, made_whole)
         set_state_dict(module, [optimizer] if optimizer is not None else [],
                        model_state_dict=state["model"],
                        optim_state_dict=state.get("optimizer", {}))
