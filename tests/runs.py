@@ -43,6 +43,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(name))
 
 
+@pytest.hookimpl(tryfirst=True)  # before the fixtures are set up: nothing trains
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``--dist loadgroup`` in a pytest-xdist worker, fail a test of a shared run whose
+    group was not applied (pytest-xdist puts ``@group`` at the end of a grouped test's id):
+    each shared run would train once per worker. pytest 9.2 with pytest-xdist 3.8 does that,
+    hence ``pytest<9.2`` in pyproject.toml."""
+    if item.config.getoption("loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail(f"--dist loadgroup did not group this test: this pytest "
+                    f"({pytest.__version__}) and pytest-xdist do not work together (each "
+                    f"shared run would train once per worker); see pyproject.toml",
+                    pytrace=False)
+
+
 # ---------------------------------------------------------------- digits under torchrun
 
 @shared_run
