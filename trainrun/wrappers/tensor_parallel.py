@@ -97,9 +97,21 @@ def _fused_colwise(parts: int) -> ParallelStyle:
     return FusedColwise()
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` is one ``pattern`` names (``*`` stands for one name)."""
+    return fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
+
+
 def check_plan(plan: Any, key: str = "strategy.tp_plan") -> None:
-    """Refuse (ValueError, naming ``key``) a plan that is not a mapping of module-name
-    patterns to style names."""
+    """Refuse a plan that is not a mapping of module-name patterns to style names.
+
+    Args:
+        plan: the plan, as the config or a model gives it.
+        key: where it was given, for the error.
+
+    Raises:
+        ValueError: naming ``key``, the pattern and what was expected.
+    """
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"{key} must map module-name patterns to styles ({', '.join(STYLES)}); "
                          f"got {plan!r}")
@@ -115,7 +127,11 @@ def check_plan(plan: Any, key: str = "strategy.tp_plan") -> None:
 def hf_plan(model: nn.Module) -> dict[str, str] | None:
     """The plan of the outermost Hugging Face model inside ``model`` (its ``_tp_plan``, which
     ``transformers`` fills from its config's ``base_model_tp_plan`` and its class's own), with
-    the module names from ``model``; None where there is none."""
+    the module names from ``model``; None where there is none.
+
+    Args:
+        model: the model, which may hold the Hugging Face model anywhere inside it.
+    """
     for prefix, module in model.named_modules():
         plan = getattr(module, "_tp_plan", None)
         if plan and hasattr(getattr(module, "config", None), "base_model_tp_plan"):
@@ -129,6 +145,14 @@ def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int
     """The plan for ``model``: ``configured`` (the config's), else the model's own ``tp_plan``
     (a method or an attribute), else a Hugging Face model's.
 
+    Args:
+        model: the model to split.
+        configured: ``strategy.tp_plan``; None: the model's own.
+        tp: the tensor-parallel ranks, for the error.
+
+    Returns:
+        The plan, module-name patterns to style names.
+
     Raises:
         ValueError: there is none, or a pattern names no module of the model.
     """
@@ -140,8 +164,7 @@ def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int
     check_plan(plan, key)
     names = [name for name, _ in model.named_modules()]
     for pattern in plan:
-        if not any(fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
-                   for name in names):
+        if not any(_matches(name, pattern) for name in names):
             raise ValueError(f"{key}: {pattern!r} matches no module of the model "
                              f"({type(model).__name__})")
     return dict(plan)
@@ -150,6 +173,11 @@ def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int
 def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> None:
     """Split ``model``'s planned modules over ``mesh`` (the tensor-parallel ranks), in place;
     parameters that several modules share are shared again after.
+
+    Args:
+        model: the model, not yet sharded by ``fully_shard``.
+        plan: module-name patterns to style names (`model_plan`'s).
+        mesh: the one-dimensional mesh of a rank's tensor-parallel peers.
 
     Raises:
         ValueError: a shared parameter that the plan splits differently in its modules.
@@ -175,8 +203,13 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> N
 
 
 def split_within_parts(value: Any) -> bool:
-    """A DTensor whose tensor-parallel shard is cut within parts (``colwise_fused``): each
-    rank's rows lie in several places of the whole, which no checkpoint chunk describes."""
+    """Whether ``value`` is a DTensor whose tensor-parallel shard is cut within parts
+    (``colwise_fused``): each rank's rows lie in several places of the whole, which no
+    checkpoint chunk describes.
+
+    Args:
+        value: any tensor (or other value) of a state dict.
+    """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -192,7 +225,11 @@ def whole_for_checkpoint(state: dict[str, Any]
     replaced by its whole tensor (gathered: a collective), so that
     ``torch.distributed.checkpoint`` can write or read it. The dicts on the way are copies:
     the optimiser's own state is left as it is. Returns that state, and where each replaced
-    tensor was with its DTensor, for `split_after_checkpoint`."""
+    tensor was with its DTensor, for `split_after_checkpoint`.
+
+    Args:
+        state: ``{'model': ..., 'optimizer': ...}`` as ``get_state_dict`` gives them.
+    """
     replaced: dict[tuple[str, ...], Any] = {}
 
     def visit(node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
@@ -212,7 +249,12 @@ def whole_for_checkpoint(state: dict[str, Any]
 def split_after_checkpoint(state: dict[str, Any], replaced: dict[tuple[str, ...], Any]) -> None:
     """Put back, in ``state`` (as `whole_for_checkpoint` returned it, now read from a
     checkpoint), the whole tensors as DTensors split as before (each rank keeps its own
-    shard: no communication)."""
+    shard: no communication).
+
+    Args:
+        state: the state `whole_for_checkpoint` returned, filled from a checkpoint.
+        replaced: the places and DTensors it returned beside it.
+    """
     from torch.distributed.tensor import distribute_tensor
 
     for path, before in replaced.items():
@@ -231,11 +273,17 @@ SPLIT_DIMS = {"colwise": (0, 0), "colwise_gather_output": (0, 0), "rowwise": (1,
 def split_shapes(model: nn.Module, plan: Mapping[str, str], tp: int
                  ) -> dict[str, tuple[int, ...]]:
     """The shape of each rank's part of every parameter ``plan`` splits over ``tp`` ranks,
-    by parameter name (for the memory plan; the last rank's part may be smaller)."""
+    by parameter name (for the memory plan; the last rank's part may be smaller).
+
+    Args:
+        model: the model (its shapes are all that is read: the meta device will do).
+        plan: module-name patterns to style names.
+        tp: the tensor-parallel ranks.
+    """
     shapes: dict[str, tuple[int, ...]] = {}
     for name, module in model.named_modules():
         for pattern, style_name in plan.items():
-            if not (fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")):
+            if not _matches(name, pattern):
                 continue
             dims = SPLIT_DIMS.get(style_name, (0, None))  # colwise_fused:N as colwise
             for which, dim in zip(("weight", "bias"), dims, strict=True):
