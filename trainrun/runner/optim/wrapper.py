@@ -319,16 +319,23 @@ class OptimWrapperDict(dict):
             wrapper.load_state_dict(state[name])
 
 
+def _by_mesh(params: list[Tensor]) -> dict[Any, list[Tensor]]:
+    """``params`` by the device mesh of their gradients (None: plain tensors)."""
+    found: dict[Any, list[Tensor]] = {}
+    for param in params:
+        found.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    return found
+
+
 def grad_norm(params: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The norm of all of ``params``' gradients together. Gradients sharded over different
     device meshes (tensor-parallel layers beside the others under FSDP) cannot be stacked in
     one DTensor operation: their norms are taken per mesh, made whole, then combined."""
-    by_mesh: dict[Any, list[Tensor]] = {}
-    for param in params:
-        by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
-    norms = [nn.utils.get_total_norm(grads, norm_type) for grads in by_mesh.values()]
-    if len(norms) == 1:
-        return norms[0]
+    groups = _by_mesh(params)
+    if len(groups) <= 1:  # torch's own measure (no gradients at all included)
+        return nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    norms = [nn.utils.get_total_norm([p.grad for p in group], norm_type)
+             for group in groups.values()]
     norms = [norm.full_tensor() if hasattr(norm, "full_tensor") else norm for norm in norms]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
@@ -337,16 +344,14 @@ def clip_grad_norm(params: list[Tensor], max_norm: float, norm_type: float = 2.0
                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_``, for gradients on several device meshes as well
     (see `grad_norm`); returns the norm before clipping."""
-    meshes = {getattr(param.grad, "device_mesh", None) for param in params}
-    if len(meshes) <= 1:
+    groups = _by_mesh(params)
+    if len(groups) <= 1:
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                         foreach)
     total = grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"non-finite ({total.item()}); clipping them is meaningless")
-    for mesh in meshes:  # (one foreach operation may not mix meshes)
-        nn.utils.clip_grads_with_norm_(
-            [param for param in params if getattr(param.grad, "device_mesh", None) == mesh],
-            max_norm, total, foreach)
+    for group in groups.values():  # (one foreach operation may not mix meshes)
+        nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
