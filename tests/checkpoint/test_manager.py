@@ -405,7 +405,7 @@ def _background_resume_body(straight_dir, work_dir, strategy):
     runner.close()
     runner = _runner(work_dir, strategy=strategy, max_iters=10, interval=2, background=True,
                      resume=True)
-    runner._resume_or_load()
+    runner.resume(runner.start_from[1])  # as train() does first
     resumed_at = runner.iter
     runner.train()
     runner.close()

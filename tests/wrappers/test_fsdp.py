@@ -212,7 +212,7 @@ def _first_part_body(work_dir, max_iters, interval, crash):
 def _reshard_body(work_dir, max_iters):
     seen = Seen()
     runner = _runner(work_dir, size=48, max_iters=max_iters, resume=True, hooks=[seen])
-    runner._resume_or_load()
+    runner.resume(runner.start_from[1])  # as train() does first
     restored = runner.strategy.model_state_dict(runner.model)
     runner.train()
     runner.close()

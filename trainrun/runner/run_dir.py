@@ -34,9 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainrun.checkpoint.files import replacing, write_atomically
 from trainrun.checkpoint.manager import CHECKPOINTS_DIR
-from trainrun.dist import master_only
+from trainrun.dist import barrier, broadcast_object_list, master_only
 from trainrun.runner.config import LAUNCH_KEYS, RESUME_MAY_CHANGE, saved_config_changes
-from trainrun.runner.lock import LOCK_NAME, RunLock
+from trainrun.runner.lock import LOCK_NAME, RunDirectoryBusy, RunLock
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -157,6 +157,37 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         lock = RunLock(self.path)
         lock.acquire()
+        return lock
+
+    def prepare(self, rank: int, cfg: Mapping[str, Any] | None,
+                resumed: bool) -> RunLock | None:
+        """Rank 0 creates the directory, takes its lock and writes ``cfg`` to ``config.yaml``
+        (``write_config``); every rank of the job must call this, and every rank raises when
+        another live job holds the directory.
+
+        Args:
+            rank: this process's global rank.
+            cfg: the whole config; None (a run built from objects): no ``config.yaml``.
+            resumed: the run resumes the run that wrote this directory.
+
+        Returns:
+            Rank 0's lock, held (None on the other ranks).
+
+        Raises:
+            RunDirectoryBusy: another live job holds the directory.
+        """
+        lock, refused = None, [None]
+        if rank == 0:
+            try:
+                lock = self.acquire()
+            except RunDirectoryBusy as error:
+                refused[0] = str(error)
+        broadcast_object_list(refused)
+        if refused[0] is not None:
+            raise RunDirectoryBusy(refused[0])
+        if rank == 0 and cfg is not None:
+            self.write_config(cfg, resumed=resumed)
+        barrier()
         return lock
 
     def config_changes(self, cfg: Mapping[str, Any],

@@ -20,15 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from trainrun.checkpoint.manager import CheckpointManager, resolve_checkpoint
-from trainrun.checkpoint.optimizer_state import OptimizerMismatch
-from trainrun.checkpoint.read import read_train_state, read_weights
+from trainrun.checkpoint.read import read_weights
 from trainrun.checkpoint.resume import StartPoint
-from trainrun.checkpoint.train_state import HookStates
 from trainrun.dist import (
     PeerFailure,
     at_checkpoint,
-    barrier,
-    broadcast_object_list,
     finish_together,
     get_dist_info,
     init_dist,
@@ -50,14 +46,14 @@ from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.failures import failures_told, training_failures
 from trainrun.runner.hooks import Hook, IterTimerHook
 from trainrun.runner.hooks.logger import LoggerHook, check_logging
-from trainrun.runner.lock import RunDirectoryBusy, RunLock
+from trainrun.runner.lock import RunLock
 from trainrun.runner.logging import attach_log_file, log_restart, setup_logging
 from trainrun.runner.loops import EvalLoop, TrainLoop, check_schedule
 from trainrun.runner.parts import PartBuilder, runner_arguments
 from trainrun.runner.preemption import StopRequest, check_preemption, stop_signals
 from trainrun.runner.run_dir import RunDir
 from trainrun.runner.seed import check_randomness, set_random_seed
-from trainrun.runner.state_parts import train_state
+from trainrun.runner.state_parts import check_strategy_change, resume_run, train_state
 from trainrun.runner.stream import is_stream
 from trainrun.wrappers import Strategy
 
@@ -257,11 +253,14 @@ class Runner:
             self.start_from = self._start.choose(resume, load_from)
             self._start.check_fits(self.start_from, shapes,
                                   self.strategy.optimizer_groups(self.optimizer))
-            self._check_strategy_change(optim)
+            check_strategy_change(self, optim)
             extra_hooks = build.extra_hooks(hooks)
             logging = build.section(check_logging, "logging", logging)
-            self.run_lock: RunLock | None = None  # rank 0's, once the run directory is made
-            self._prepare_work_dir()
+            # rank 0 makes the run directory, locks it, writes config.yaml and starts the log
+            # (train.log; a test's test.log)
+            self.run_lock: RunLock | None = self.run_dir.prepare(self.rank, cfg, bool(resume))
+            if self.rank == 0:
+                attach_log_file(self.run_dir.log)
             self.metrics_file = self.run_dir.metrics_file()
             self.timer = IterTimerHook(count_batches=logging["step_metrics"])
             self.hooks = build.hooks(extra_hooks, logging, checkpoint, schedule["val_interval"],
@@ -300,25 +299,6 @@ class Runner:
         """
         arguments = runner_arguments(cfg)
         return cls(**(arguments if run_dir is None else {**arguments, "work_dir": run_dir}))
-
-    def _prepare_work_dir(self) -> None:
-        """Rank 0 creates the run directory and takes its lock (another live job holding it
-        is refused on every rank), writes the resolved config and starts the log
-        (``train.log``; a test's ``test.log``)."""
-        refused = [None]
-        if self.rank == 0:
-            try:
-                self.run_lock = self.run_dir.acquire()
-            except RunDirectoryBusy as error:
-                refused[0] = str(error)
-        broadcast_object_list(refused)
-        if refused[0] is not None:
-            raise RunDirectoryBusy(refused[0])
-        if self.rank == 0 and self.cfg is not None:
-            self.run_dir.write_config(self.cfg, resumed=bool(self.resume_from))
-        barrier()
-        if self.rank == 0:
-            attach_log_file(self.run_dir.log)
 
     # ------------------------------------------------------------------ running
 
@@ -405,7 +385,9 @@ class Runner:
         if self.train_loop is None:
             raise ValueError("train() needs a training data loader (data.train in the config)")
         at_checkpoint(None)
-        self._resume_or_load()
+        if self.start_from is not None:  # ("resume" or "load_from", path)
+            how, path = self.start_from
+            (self.resume if how == "resume" else self.load_weights)(path)
         self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
@@ -494,21 +476,6 @@ class Runner:
         """
         return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
 
-    def saved_hook_state(self, hook: Hook, path: str | os.PathLike) -> Any:
-        """What the checkpoint at ``path`` holds of ``hook``'s state (None: nothing), for a
-        hook that uses it outside a resume (EMA's average when testing a checkpoint).
-
-        Args:
-            hook: one of ``hooks`` (its state's key in the checkpoint is found from its place).
-            path: the checkpoint to read.
-
-        Returns:
-            The state the hook's ``state_dict`` gave (this rank's, for a ``state_per_rank``
-            hook saved by as many ranks), or None.
-        """
-        hook_states = HookStates(self.hooks, self.rank, self.world_size)
-        return hook_states.saved(hook, read_train_state(path))
-
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
                         background: bool = False) -> Path:
         """Save a checkpoint on every rank (all must call this); returns its path. With
@@ -533,22 +500,6 @@ class Runner:
                                          self.optimizer, train_state(self).state_dict(),
                                          update_last, background, step=self.iter)
 
-    def _check_strategy_change(self, optim: Any) -> None:
-        """Refuse, before anything is written, a checkpoint to resume that another strategy
-        wrote and this one cannot carry on from exactly (``Strategy.resume_refusal``)."""
-        if self.start_from is None or self.start_from[0] != "resume":
-            return
-        path = self.start_from[1]
-        accumulate = optim.get("accumulate") if isinstance(optim, Mapping) else None
-        why = self.strategy.resume_refusal(path, self.precision, accumulate or 1)
-        if why is not None:
-            raise ConfigError(f"resume: {path}: {why}")
-
-    def _resume_or_load(self) -> None:
-        if self.start_from is not None:
-            how, path = self.start_from
-            (self.resume if how == "resume" else self.load_weights)(path)
-
     def resume(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint at ``path`` stopped (verified first).
 
@@ -565,24 +516,7 @@ class Runner:
             ConfigError: the checkpoint is damaged, or its optimiser state does not fit this
                 run's optimiser.
         """
-        path = self._start.verified("resume", Path(path))
-        try:
-            state = self.strategy.load_checkpoint(str(path), self.model, self.optimizer)
-        except OptimizerMismatch as error:
-            raise ConfigError(f"resume: {path}: {error}") from None
-        written = (state.get("meta") or {}).get("strategy", self.strategy.name)
-        train_state(self).load_state_dict(state)
-        at_checkpoint(path.name, self.iter)
-        self.logger.info("resumed from %s at epoch %d, step %d%s", path, self.epoch + 1,
-                         self.iter, "" if written == self.strategy.name else
-                         f" (written under strategy {written!r}, carried on under "
-                         f"{self.strategy.name!r})")
-        if self.metrics_file.path.exists():  # each step once: the lost steps' lines go
-            dropped = self.metrics_file.resume(self.iter, path)
-            if dropped:  # (None on the other ranks)
-                self.logger.info("%s: took out the %d line(s) logged after step %d, which this "
-                                 "run trains again", self.metrics_file.path.name, dropped,
-                                 self.iter)
+        resume_run(self, self._start.verified("resume", Path(path)))
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load only the model's weights (no optimiser, no position) from ``path`` (a

@@ -3,14 +3,20 @@
 `train_state` lists them for ``trainrun.checkpoint.train_state.TrainState``: the position,
 the optimiser wrapper, the schedulers, the sampler, a stream, the hooks and the RNG states,
 each with how its state is taken on this rank and how it is put back on resuming.
+`resume_run` puts a run back from a checkpoint; `check_strategy_change` refuses, before
+anything is written, a checkpoint this run's strategy cannot carry on from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainrun.checkpoint.optimizer_state import OptimizerMismatch
 from trainrun.checkpoint.train_state import HookStates, StatePart, TrainState
+from trainrun.dist import at_checkpoint
+from trainrun.runner.config import ConfigError
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.seed import rng_state, set_rng_state
 from trainrun.runner.stream import is_stream
@@ -45,6 +51,57 @@ def train_state(runner: Runner) -> TrainState:
     listed.append(HookStates(runner.hooks, runner.rank, runner.world_size).part())
     listed.append(StatePart("rng", rng_state, parts.load_rng_states, every_rank=True))
     return TrainState(listed)
+
+
+def resume_run(runner: Runner, path: Path) -> None:
+    """Put ``runner`` back where the checkpoint at ``path`` (verified) stopped: model,
+    optimiser and train state. Rank 0 then takes out of ``metrics.jsonl`` the lines that the
+    steps after the checkpoint logged, and marks the resume there. Every rank must call this.
+
+    Args:
+        runner: the runner, built.
+        path: the checkpoint, verified (a file, or a directory for sharded strategies).
+
+    Raises:
+        ConfigError: its optimiser state does not fit this run's optimiser.
+    """
+    try:
+        state = runner.strategy.load_checkpoint(str(path), runner.model, runner.optimizer)
+    except OptimizerMismatch as error:
+        raise ConfigError(f"resume: {path}: {error}") from None
+    written = (state.get("meta") or {}).get("strategy", runner.strategy.name)
+    train_state(runner).load_state_dict(state)
+    at_checkpoint(path.name, runner.iter)
+    runner.logger.info("resumed from %s at epoch %d, step %d%s", path, runner.epoch + 1,
+                       runner.iter, "" if written == runner.strategy.name else
+                       f" (written under strategy {written!r}, carried on under "
+                       f"{runner.strategy.name!r})")
+    if runner.metrics_file.path.exists():  # each step once: the lost steps' lines go
+        dropped = runner.metrics_file.resume(runner.iter, path)
+        if dropped:  # (None on the other ranks)
+            runner.logger.info("%s: took out the %d line(s) logged after step %d, which this "
+                               "run trains again", runner.metrics_file.path.name, dropped,
+                               runner.iter)
+
+
+def check_strategy_change(runner: Runner, optim: Any) -> None:
+    """Refuse a checkpoint to resume that another strategy wrote and this run's cannot carry
+    on from exactly (``Strategy.resume_refusal``).
+
+    Args:
+        runner: the runner, built up to its start point (``start_from``).
+        optim: the ``optim`` section (its ``accumulate`` counts), or the optimiser's factory.
+
+    Raises:
+        ConfigError: the strategy cannot carry on from it, and why.
+    """
+    if runner.start_from is None or runner.start_from[0] != "resume":
+        return
+    path = runner.start_from[1]
+    accumulate = optim.get("accumulate") if isinstance(optim, Mapping) else None
+    why = runner.strategy.resume_refusal(path, runner.precision, accumulate or 1)
+    if why is not None:
+        raise ConfigError(f"resume: {path}: {why}")
 
 
 class _RunnerParts:

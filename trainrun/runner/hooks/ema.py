@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainrun.checkpoint.read import read_train_state
+from trainrun.checkpoint.train_state import HookStates
 from trainrun.runner.hooks.base import VALIDATION, Hook, every
 from trainrun.runner.schema import bad_value, check_bool, expects, fields, integer, is_number
 
@@ -129,7 +131,8 @@ class EMAHook(Hook):
             return
         average = self.average
         if average is None and not runner.training and runner.load_from:
-            saved = runner.saved_hook_state(self, runner.load_from)
+            saved = HookStates(runner.hooks, runner.rank, runner.world_size).saved(
+                self, read_train_state(runner.load_from))
             if saved is None:
                 runner.logger.warning("EMA: %s holds no average of the weights (its run had no "
                                       "EMA hook): testing the trained weights", runner.load_from)
