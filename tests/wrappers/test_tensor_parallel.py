@@ -110,14 +110,18 @@ def test_a_tp_checkpoint_resumes_on_two_processes_under_another_mesh(tp_runs, tm
 
 
 @pytest.mark.slow
-def test_a_tp_run_killed_mid_run_resumes_bit_for_bit(capsys) -> None:
-    code = verify_resume.main([str(TINYLM), "--nproc", "4", "--steps", "12",
-                               "--cfg-options", "strategy.tp=2"])
+def test_a_tp_run_killed_mid_run_resumes_bit_for_bit_with_its_ema(capsys) -> None:
+    """The EMA's average is cut again from the checkpoint's whole tensors on resuming, some of
+    them tp shards that fsdp cut again (strided); validation scores the average."""
+    code = verify_resume.main([str(TINYLM), "--nproc", "4", "--steps", "12", "--cfg-options",
+                               "strategy.tp=2", "schedule.val_interval=4",
+                               "hooks=[{type: EMA, momentum: 0.01, warmup: 2}]"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert any(line.startswith("interrupted: killed with SIGKILL after step ")
                for line in out.splitlines()), out
     assert "exact resume: the losses of steps 1-12 match bit for bit" in out, out
+    assert "validation at step 12: val_loss " in out and " in both runs" in out, out
 
 
 @pytest.mark.parametrize(("config", "options", "says"), [

@@ -553,16 +553,21 @@ class FSDPStrategy(Strategy):
                 for name, shard in shards.items()}
 
     def shard_params(self, model: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """This rank's shard of each whole tensor, cut as `fully_shard` cut its parameter."""
+        """This rank's shard of each whole tensor, cut as `fully_shard` (and the tp plan) cut
+        its parameter. Cut by redistributing a replica, which needs no communication and,
+        unlike ``distribute_tensor``, knows a tp shard that fsdp cut again (strided)."""
         if not self._sharded(model):
             return super().shard_params(model, full)
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate
 
         params = self._sharded_params(model)
-        return {name: distribute_tensor(tensor.to(params[name].device),
-                                        params[name].device_mesh,
-                                        params[name].placements).to_local()
-                for name, tensor in full.items()}
+        out = {}
+        for name, tensor in full.items():
+            mesh = params[name].device_mesh
+            replica = DTensor.from_local(tensor.to(params[name].device), mesh,
+                                         [Replicate()] * mesh.ndim, run_check=False)
+            out[name] = replica.redistribute(mesh, params[name].placements).to_local()
+        return out
 
     def save_checkpoint(self, path: str, model: nn.Module, optimizer: Optimizers | None,
                         extra: dict[str, Any]) -> None:
