@@ -1,14 +1,15 @@
 """The memory plan (``--dry-run``) against what N real gloo ranks hold, and beside DeepSpeed's
 own estimate.
 
-    python bench/memory_plan.py [--ranks 2 3 4] [--n-embd 256] [--n-layer 2]
+    python bench/memory_plan.py [--ranks 2 3 4] [--n-embd 256] [--n-layer 2] [--cases ...]
 
 Measured: for each N, N gloo processes (spawned here, one thread each) train the tinylm config
 (``configs/tinylm_ddp.yaml`` with ``--n-embd`` and ``--n-layer``) for 2 steps through the
-Runner under ddp, fsdp (a shard unit per block) and DeepSpeed ZeRO-1/2/3 (fp32; ZeRO-0/2/3
-in bf16; offloads). Every rank measures what it holds by kind (`Strategy.state_tensors`: parameters,
-gradients, optimiser state; each storage counted once, by its data_ptr) just before and after
-each optimiser step (`trainrun.runner.memory_watch.watch_memory`), and keeps each kind's peak.
+Runner under ddp, fsdp (a shard unit per block; with tensor parallelism over 2 ranks, on the N
+that 2 divides) and DeepSpeed ZeRO-1/2/3 (fp32; ZeRO-0/2/3 in bf16; offloads). Every rank
+measures what it holds by kind (`Strategy.state_tensors`: parameters, gradients, optimiser
+state; each storage counted once, by its data_ptr) just before and after each optimiser step
+(`trainrun.runner.memory_watch.watch_memory`), and keeps each kind's peak.
 The table sets the plan (`Strategy.memory_plan`, the most any rank holds) beside the rank that
 held most, in MiB, and their ratio (plan / measured total); the bar is within 10 % for every
 kind.
@@ -43,6 +44,7 @@ RUN = ["data.train.batch_size=4", "data.val=null", "schedule.max_iters=2",
 CASES = {
     "ddp": ["strategy.type=ddp"],
     "fsdp": ["strategy.type=fsdp", "strategy.wrap={classes: [Block]}"],
+    "fsdp tp=2": ["strategy.type=fsdp", "strategy.wrap={classes: [Block]}", "strategy.tp=2"],
     "zero0 bf16": ["strategy.type=deepspeed", "strategy.zero_stage=0", "precision=bf16"],
     "zero1": ["strategy.type=deepspeed", "strategy.zero_stage=1"],
     "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],
@@ -62,6 +64,12 @@ BAR = 0.10
 MIB = 2 ** 20
 
 
+def fits(case: str, world_size: int) -> bool:
+    """Whether ``case`` runs on ``world_size`` ranks (its tp divides them)."""
+    tp = next((int(o.split("=")[1]) for o in CASES[case] if o.startswith("strategy.tp=")), 1)
+    return world_size % tp == 0
+
+
 def _cfg(case: str, model: list[str], work_dir: str = "unused") -> Any:
     return load_config(str(CONFIG), [*RUN, *model, *CASES[case], f"work_dir={work_dir}"])
 
@@ -75,10 +83,10 @@ def _measure(case: str, model: list[str], work_dir: str) -> dict[str, int]:
     return {kind: watch.peak.kind(kind) for kind in KINDS}
 
 
-def _all_cases(model: list[str], root: str) -> dict[str, dict[str, int]]:
+def _all_cases(model: list[str], root: str, cases: list[str]) -> dict[str, dict[str, int]]:
     rank = torch.distributed.get_rank()
     return {case: _measure(case, model, f"{root}/{case.replace(' ', '-')}-{rank}")
-            for case in CASES}
+            for case in cases}
 
 
 def planned(case: str, model: list[str], world_size: int) -> StateBytes | str:
@@ -121,7 +129,7 @@ def measured_table(results: dict[int, list[dict[str, dict[str, int]]]], model: l
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     worst = 0.0
     for n, per_rank in sorted(results.items()):
-        for case in CASES:
+        for case in per_rank[0]:
             plan = planned(case, model, n)
             held = {kind: max(rank[case][kind] for rank in per_rank) for kind in KINDS}
             cells = [f"{_mib(plan.kind(kind))} / {_mib(held[kind])}" for kind in KINDS]
@@ -155,13 +163,16 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="the strategies to measure (default: all)")
     args = parser.parse_args()
     model = [f"model.n_embd={args.n_embd}", f"model.n_layer={args.n_layer}"]
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for n in args.ranks:
-            print(f"[memory_plan] {n} ranks: {', '.join(CASES)} ...", flush=True)
-            results[n] = run_on_ranks(n, _all_cases, model, root)
+            cases = [case for case in args.cases if fits(case, n)]
+            print(f"[memory_plan] {n} ranks: {', '.join(cases)} ...", flush=True)
+            results[n] = run_on_ranks(n, _all_cases, model, root, cases)
     meta = build_meta_model(OmegaConf.to_container(_cfg("ddp", model), resolve=True))
     count = sum(p.numel() for p in meta.parameters())
     print(f"\nmeasured: tinylm n_embd {args.n_embd}, {args.n_layer} layers ({count:,} "

@@ -1,6 +1,7 @@
 """The memory plan (`Strategy.memory_plan`, printed by ``--dry-run``): each rank's bytes of
 parameters, gradients and optimiser state, planned on the meta device and checked against what
-2 real gloo ranks hold after training steps under ddp, fsdp and ZeRO stages 1-3."""
+2 real gloo ranks hold after training steps under ddp, fsdp (tensor parallel too) and ZeRO
+stages 1-3."""
 
 from __future__ import annotations
 
@@ -131,6 +132,9 @@ launcher: pytorch
 STRATEGIES = {
     "ddp": ["strategy.type=ddp"],
     "fsdp": ["strategy.type=fsdp"],
+    # tensor parallel over both ranks (no data parallelism left): the split layers halve
+    "fsdp-tp2": ["strategy.type=fsdp", "strategy.tp=2",
+                 "strategy.tp_plan={net.0: colwise, net.3: rowwise}"],
     "zero0-bf16": ["strategy.type=deepspeed", "strategy.zero_stage=0", "precision=bf16"],
     "zero1": ["strategy.type=deepspeed", "strategy.zero_stage=1"],
     "zero2": ["strategy.type=deepspeed", "strategy.zero_stage=2"],

@@ -1,0 +1,99 @@
+"""Tensor parallelism against plain fsdp on the same ranks: time per step and peak memory, by
+model width.
+
+    python bench/parallel.py [--ranks 4] [--widths 128 512 1024] [--steps 10]
+
+For each width, N gloo processes (spawned here, one thread each) train the shipped tinylm
+config (``configs/tinylm_fsdp.yaml``: a shard unit per block, activation checkpointing) for
+``--steps`` steps through the Runner, twice: plain fsdp over all N ranks, then fsdp with
+``strategy.tp=2`` (N/2 data-parallel ranks, each pair splitting every block). Both see the same
+global batch (``--batch`` blocks of 64 characters per data-parallel rank under fsdp, twice that
+per rank under tp), so their losses agree and only the work differs.
+
+Printed per width: the median seconds per step of rank 0 (the first two steps left out) and the
+largest peak memory of any rank, as the run logs it (on the CPU, the process's peak resident
+set, which includes torch itself, about 300 MiB), each as tp / fsdp. Ratios below 1 mean tp
+pays off. The parameters, gradients and optimiser state each rank holds are checked against
+the memory plan by ``bench/memory_plan.py --cases 'fsdp tp=2'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from gloo_ranks import run_on_ranks
+
+from trainrun.runner.config import load_config
+from trainrun.runner.runner import Runner
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tinylm_fsdp.yaml"
+RUN = ["data.val=null", "checkpoint.interval=0", "checkpoint.save_last=false",
+       "logging.interval=1", "logging.backends=[jsonl]", "launcher=pytorch"]
+
+
+def _options(width: int, tp: int, batch: int, steps: int, work_dir: str) -> list[str]:
+    return [*RUN, f"model.n_embd={width}", "model.n_head=8", f"strategy.tp={tp}",
+            f"data.train.batch_size={batch * tp}", f"schedule.max_iters={steps}",
+            f"work_dir={work_dir}"]
+
+
+def _train(width: int, tp: int, batch: int, steps: int, work_dir: str) -> dict[str, Any]:
+    """On one rank: train; rank 0's step times, losses and the peak memory of the rank that
+    held most (rank 0 logs it); empty on the other ranks."""
+    cfg = load_config(str(CONFIG), _options(width, tp, batch, steps, work_dir))
+    with Runner.from_cfg(cfg) as runner:
+        runner.train()
+        rank = runner.rank
+    lines = []
+    if rank == 0:
+        lines = [json.loads(line) for line in (Path(work_dir) / "metrics.jsonl").open()]
+    return {"times": [line["time"] for line in lines if "loss" in line][2:],
+            "losses": [line["loss"] for line in lines if "loss" in line],
+            "peak_mb": max((line.get("peak_memory_mb", 0) for line in lines), default=0)}
+
+
+def _all_widths(widths: list[int], batch: int, steps: int, root: str) -> dict:
+    rank = torch.distributed.get_rank()
+    return {(width, tp): _train(width, tp, batch, steps, f"{root}/w{width}-tp{tp}-{rank}")
+            for width in widths for tp in (1, 2)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4, help="processes (even)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[128, 512, 1024],
+                        help="model.n_embd values (8 heads; 2 blocks)")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="blocks per data-parallel rank under fsdp")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    if args.ranks % 2:
+        parser.error(f"--ranks: tp=2 needs an even number of ranks; got {args.ranks}")
+    with tempfile.TemporaryDirectory() as root:
+        per_rank = run_on_ranks(args.ranks, _all_widths, args.widths, args.batch, args.steps,
+                                root)
+    print(f"\n{args.ranks} gloo ranks, one thread each; torch {torch.__version__}; tinylm, "
+          f"2 blocks, 8 heads; global batch {args.batch * args.ranks} blocks of 64; "
+          f"{args.steps} steps\n")
+    print("| n_embd | fsdp s/step | tp=2 s/step | time tp / fsdp | fsdp peak MiB | "
+          "tp=2 peak MiB | memory tp / fsdp | losses agree within |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for width in args.widths:
+        fsdp, tp = per_rank[0][(width, 1)], per_rank[0][(width, 2)]
+        peaks = [fsdp["peak_mb"], tp["peak_mb"]]
+        times = [statistics.median(fsdp["times"]), statistics.median(tp["times"])]
+        agree = max(abs(a - b) / abs(b) for a, b in zip(tp["losses"], fsdp["losses"], strict=True))
+        print(f"| {width} | {times[0]:.3f} | {times[1]:.3f} | {times[1] / times[0]:.2f} | "
+              f"{peaks[0]:.0f} | {peaks[1]:.0f} | {peaks[1] / peaks[0]:.2f} | {agree:.0e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
