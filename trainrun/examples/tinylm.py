@@ -280,9 +280,15 @@ class TinyLM(BaseModel):
 
     def tp_plan(self) -> dict[str, str]:
         """How tensor parallelism (``strategy.tp``) splits this model: the vocabulary of the
-        (tied) embedding and output layer, each block's heads and its MLP's hidden width."""
+        (tied) embedding and output layer, each block's heads and its MLP's hidden width. With
+        ``strategy.sequence_parallel`` the blocks' input is cut along the sequence, and the
+        norms compute each rank's part of it."""
         return {
             "token_emb": "vocab_embedding",
+            "blocks": "sequence_split",
+            "blocks.*.ln1": "sequence_parallel",
+            "blocks.*.ln2": "sequence_parallel",
+            "ln_f": "sequence_parallel",
             "blocks.*.attn.qkv": "colwise_fused:3",
             "blocks.*.attn.proj": "rowwise",
             "blocks.*.mlp.0": "colwise",

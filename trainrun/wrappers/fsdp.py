@@ -110,6 +110,18 @@ def check_tp(tp: Any, world: int | None = None) -> None:
                          f"process(es)")
 
 
+def check_sequence_parallel(sequence_parallel: Any, tp: int) -> None:
+    """Refuse a ``strategy.sequence_parallel`` that is not a bool, or true without ``tp`` > 1
+    (it cuts what lies between tensor-parallel layers)."""
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"strategy.sequence_parallel must be true or false; got "
+                         f"{sequence_parallel!r}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("strategy.sequence_parallel: true needs tensor parallelism "
+                         "(strategy.tp > 1): it cuts the activations between the layers tp "
+                         "splits; got tp 1")
+
+
 def device_mesh(sharding: str, device: torch.device, shard_size: int | None,
                 tp: int = 1) -> DeviceMesh:
     """The ranks as a mesh of named dimensions: ``dp_shard`` (full, grad_op) or
@@ -265,12 +277,15 @@ class MMFullyShardedDataParallel(nn.Module):
         tp: the tensor-parallel ranks: consecutive ranks that split each planned layer
             between them (see ``trainrun.wrappers.tensor_parallel``); 1: none.
         tp_plan: module-name patterns to tensor-parallel styles; None: the model's own.
+        sequence_parallel: between the split layers, cut the activations along the sequence
+            (the plan's ``sequence_parallel`` and ``sequence_split`` modules); needs ``tp`` > 1.
 
     Raises:
         ValueError: an unknown sharding, dtype name or wrap key, a class ``wrap`` names that
             the model does not have, a ``hybrid_shard_size`` or ``tp`` that does not divide
-            the world size, ``activation_checkpointing`` without shard units, or ``tp`` > 1
-            without a plan.
+            the world size, ``activation_checkpointing`` without shard units, ``tp`` > 1
+            without a plan, or ``sequence_parallel`` under a plan without a sequence-parallel
+            module.
     """
 
     def __init__(self, module: nn.Module, sharding: str = "full",
@@ -278,14 +293,16 @@ class MMFullyShardedDataParallel(nn.Module):
                  wrap: dict[str, Any] | None = None, activation_checkpointing: bool = False,
                  hybrid_shard_size: int | None = None, device: torch.device | None = None,
                  compile: dict[str, Any] | None = None, tp: int = 1,
-                 tp_plan: dict[str, str] | None = None):
+                 tp_plan: dict[str, str] | None = None, sequence_parallel: bool = False):
         super().__init__()
         check_sharding(sharding)
+        check_sequence_parallel(sequence_parallel, tp)
         device = device or next(module.parameters()).device
         units = shard_units(module, wrap)
         mesh = device_mesh(sharding, device, hybrid_shard_size, tp)
         if tp > 1:
-            apply_plan(module, model_plan(module, tp_plan, tp), mesh["tp"])
+            apply_plan(module, model_plan(module, tp_plan, tp, sequence_parallel), mesh["tp"],
+                       sequence_parallel)
         if activation_checkpointing:
             if not units:
                 raise ValueError("strategy.activation_checkpointing checkpoints the shard "
@@ -394,6 +411,9 @@ class FSDPStrategy(Strategy):
         tp_plan: module-name patterns to tensor-parallel styles (see
             ``trainrun.wrappers.tensor_parallel``); None: the model's ``tp_plan``, else a
             Hugging Face model's own.
+        sequence_parallel: between the split layers, cut the activations along the sequence
+            (norms and dropout compute each rank's part); needs ``tp`` > 1 and a plan that
+            names its ``sequence_parallel`` modules.
     """
 
     name = "fsdp"
@@ -414,6 +434,7 @@ class FSDPStrategy(Strategy):
         "hybrid_shard_size": None,
         "tp": 1,
         "tp_plan": None,
+        "sequence_parallel": False,
     }
     ACCEPTS = {
         "sharding": f"one of {', '.join(SHARDINGS)}",
@@ -424,7 +445,8 @@ class FSDPStrategy(Strategy):
         "hybrid_shard_size": "null or an int that divides the world size",
         "tp": "a positive int that divides the world size",
         "tp_plan": "null or {module-name pattern: colwise | rowwise | colwise_gather_output | "
-                   "colwise_fused:N | vocab_embedding}",
+                   "colwise_fused:N | vocab_embedding | sequence_parallel | sequence_split}",
+        "sequence_parallel": "true or false (true needs tp > 1)",
     }
 
     def __init__(self, **options: Any):
@@ -440,6 +462,7 @@ class FSDPStrategy(Strategy):
         mixed_precision_policy(options["mixed_precision"])
         check_wrap_keys(options["wrap"])
         check_tp(options["tp"])
+        check_sequence_parallel(options["sequence_parallel"], options["tp"])
         if options["tp_plan"] is not None:
             check_plan(options["tp_plan"])
         if (cfg.get("optim") or {}).get("per_module"):
@@ -459,11 +482,13 @@ class FSDPStrategy(Strategy):
 
         Raises:
             ValueError: ``tp`` does not divide ``world_size``, or the model (where given) has
-                no plan under ``tp`` > 1, or the plan names modules it does not have."""
+                no plan under ``tp`` > 1, the plan names modules it does not have, or no
+                sequence-parallel module under ``sequence_parallel``."""
         options = cls.options_in(cfg)
         tp = options["tp"]
         check_tp(tp, world_size)
-        split = split_shapes(model, model_plan(model, options["tp_plan"], tp), tp) \
+        split = split_shapes(model, model_plan(model, options["tp_plan"], tp,
+                                               options["sequence_parallel"]), tp) \
             if tp > 1 and model is not None else {}
         size, how = _shard_group(options, world_size // tp)
         plan = replicated(specs, lambda spec: _shard_numel(split.get(spec.name, spec.shape),

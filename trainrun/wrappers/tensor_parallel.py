@@ -13,6 +13,17 @@ by name:
 - ``vocab_embedding`` (Hugging Face's ``embedding_rowwise``): an Embedding's rows (the
   vocabulary) are split; the looked-up vectors are summed over the ranks.
 
+Two more take effect with sequence parallelism (``strategy.sequence_parallel``) and are left
+out without it. Between the split layers, what is computed whole on every rank (norms,
+dropout, the residual stream) is then cut along the sequence (dimension 1) instead: the
+``rowwise`` layers hand on their sums cut that way (a reduce-scatter), and the ``colwise``
+ones gather the sequence back first.
+
+- ``sequence_parallel``: a module (a norm) that computes each rank's part of the sequence;
+  its parameters stay whole on every rank;
+- ``sequence_split``: a module whose input, whole on every rank, is cut along the sequence:
+  where the sequence-parallel region begins (the model's first norm computes on a part).
+
 The plan comes from the config (``strategy.tp_plan``), else the model (a ``tp_plan`` method or
 attribute), else a Hugging Face model's own (its config's ``base_model_tp_plan``, and the
 class's ``_tp_plan`` for its output layer). Parameters shared by several modules (tied
@@ -32,7 +43,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_fused:N", "vocab_embedding")
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_fused:N", "vocab_embedding",
+          "sequence_parallel", "sequence_split")
+SEQUENCE_STYLES = ("sequence_parallel", "sequence_split")  # only with sequence parallelism
 ALIASES = {"embedding_rowwise": "vocab_embedding"}  # Hugging Face's names for the same
 FUSED = re.compile(r"^colwise_fused:(\d+)$")
 NO_PLAN = ("strategy.tp: {tp} splits the model over {tp} ranks, but it has no plan saying how: "
@@ -40,28 +53,37 @@ NO_PLAN = ("strategy.tp: {tp} splits the model over {tp} ranks, but it has no pl
            "the model")
 
 
-def style(name: str, key: str) -> ParallelStyle:
+def style(name: str, key: str, sequence_parallel: bool = False) -> ParallelStyle:
     """The torch ParallelStyle a style name stands for (see the module's docstring).
 
     Args:
         name: the style's name.
         key: the config key it was given under, for the error.
+        sequence_parallel: the activations between split layers are cut along the sequence.
 
     Raises:
         ValueError: a name that is none of ``STYLES``.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    between = Shard(1) if sequence_parallel else Replicate()  # what lies between split layers
     name = ALIASES.get(name, name) if isinstance(name, str) else name
     fused = FUSED.match(name) if isinstance(name, str) else None
     if fused and int(fused.group(1)) >= 1:
-        return _fused_colwise(int(fused.group(1)))
+        return _fused_colwise(int(fused.group(1)), between)
     made = {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise": lambda: ColwiseParallel(input_layouts=between),
+        "rowwise": lambda: RowwiseParallel(output_layouts=between),
+        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=between,
+                                                         output_layouts=Replicate()),
         "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel,
+        "sequence_split": _sequence_split,
     }.get(name) if isinstance(name, str) else None
     if made is None:
         raise ValueError(f"{key}: {name!r} is not a tensor-parallel style; expected one of "
@@ -69,12 +91,38 @@ def style(name: str, key: str) -> ParallelStyle:
     return made()
 
 
-def _fused_colwise(parts: int) -> ParallelStyle:
+def _sequence_split() -> ParallelStyle:
+    """``sequence_split``: the module's first input, whole on every rank, is cut along the
+    sequence (dimension 1), each rank keeping its part. A length that the ranks do not divide
+    is refused before any collective (gloo would abort the process on the uneven parts)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    class SequenceSplit(PrepareModuleInput):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            ranks = device_mesh.size()
+
+            def check(_: nn.Module, args: tuple[Any, ...]) -> None:
+                length = args[0].shape[1]
+                if length % ranks:
+                    raise ValueError(f"strategy.sequence_parallel: a sequence of {length} "
+                                     f"positions does not split evenly over tp {ranks} ranks; "
+                                     f"make the sequence length a multiple of {ranks}")
+
+            module.register_forward_pre_hook(check)  # before the cut's own hook
+            return super()._apply(module, device_mesh)
+
+    return SequenceSplit(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                         use_local_output=True)
+
+
+def _fused_colwise(parts: int, input_layout: Any) -> ParallelStyle:
     """``colwise`` for a Linear whose output is ``parts`` equal parts side by side: its weight
     is split within each part (DTensor's strided shard), so each rank's output is its share
     of part 1, then of part 2, and so on. Its bias stays whole on every rank (each takes its
     share as it adds it): a one-dimensional strided shard, cut again by ``fully_shard``,
-    would not come back whole in the right order."""
+    would not come back whole in the right order. ``input_layout``: how its input lies on the
+    ranks (whole, or cut along the sequence)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -94,7 +142,7 @@ def _fused_colwise(parts: int) -> ParallelStyle:
                                outputs: Any, device_mesh: DeviceMesh) -> Any:
             return outputs.to_local() if use_local_output else outputs  # kept as it was split
 
-    return FusedColwise()
+    return FusedColwise(input_layouts=input_layout)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -140,8 +188,8 @@ def hf_plan(model: nn.Module) -> dict[str, str] | None:
     return None
 
 
-def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int
-               ) -> dict[str, str]:
+def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int,
+               sequence_parallel: bool = False) -> dict[str, str]:
     """The plan for ``model``: ``configured`` (the config's), else the model's own ``tp_plan``
     (a method or an attribute), else a Hugging Face model's.
 
@@ -149,12 +197,14 @@ def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int
         model: the model to split.
         configured: ``strategy.tp_plan``; None: the model's own.
         tp: the tensor-parallel ranks, for the error.
+        sequence_parallel: the plan must name its ``sequence_parallel`` modules.
 
     Returns:
         The plan, module-name patterns to style names.
 
     Raises:
-        ValueError: there is none, or a pattern names no module of the model.
+        ValueError: there is none, a pattern names no module of the model, or (with
+            ``sequence_parallel``) it names no ``sequence_parallel`` module.
     """
     own = getattr(model, "tp_plan", None)
     plan = configured or (own() if callable(own) else own) or hf_plan(model)
@@ -167,10 +217,31 @@ def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int
         if not any(_matches(name, pattern) for name in names):
             raise ValueError(f"{key}: {pattern!r} matches no module of the model "
                              f"({type(model).__name__})")
+    if sequence_parallel:
+        check_sequence_plan(plan, key)
     return dict(plan)
 
 
-def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> None:
+def check_sequence_plan(plan: Mapping[str, str], key: str) -> None:
+    """Refuse sequence parallelism under a plan that says where no part of the sequence is
+    computed (no ``sequence_parallel`` module).
+
+    Args:
+        plan: the plan.
+        key: where it was given, for the error.
+
+    Raises:
+        ValueError: naming what is missing.
+    """
+    if "sequence_parallel" not in plan.values():
+        raise ValueError(f"strategy.sequence_parallel: {key} names no module as "
+                         f"'sequence_parallel' (the norms between the split layers, which then "
+                         f"compute each rank's part of the sequence), and 'sequence_split' where "
+                         f"the sequence is first cut")
+
+
+def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh,
+               sequence_parallel: bool = False) -> None:
     """Split ``model``'s planned modules over ``mesh`` (the tensor-parallel ranks), in place;
     parameters that several modules share are shared again after.
 
@@ -178,6 +249,8 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> N
         model: the model, not yet sharded by ``fully_shard``.
         plan: module-name patterns to style names (`model_plan`'s).
         mesh: the one-dimensional mesh of a rank's tensor-parallel peers.
+        sequence_parallel: cut what lies between the split layers along the sequence (the
+            plan's sequence styles apply); False: those entries are left out.
 
     Raises:
         ValueError: a shared parameter that the plan splits differently in its modules.
@@ -187,8 +260,10 @@ def apply_plan(model: nn.Module, plan: Mapping[str, str], mesh: DeviceMesh) -> N
     shared: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(param), []).append(name)
-    parallelize_module(model, mesh, {pattern: style(name, f"tp_plan.{pattern}")
-                                     for pattern, name in plan.items()})
+    parallelize_module(model, mesh, {
+        pattern: style(name, f"tp_plan.{pattern}", sequence_parallel)
+        for pattern, name in plan.items()
+        if sequence_parallel or name not in SEQUENCE_STYLES})
     for first, *others in (names for names in shared.values() if len(names) > 1):
         param = model.get_parameter(first)
         for other in others:
@@ -267,7 +342,8 @@ def split_after_checkpoint(state: dict[str, Any], replaced: dict[tuple[str, ...]
 
 # the dimension each style splits, by parameter (weight, bias); None: whole on every rank
 SPLIT_DIMS = {"colwise": (0, 0), "colwise_gather_output": (0, 0), "rowwise": (1, None),
-              "vocab_embedding": (0, None)}
+              "vocab_embedding": (0, None), "sequence_parallel": (None, None),
+              "sequence_split": (None, None)}
 
 
 def split_shapes(model: nn.Module, plan: Mapping[str, str], tp: int
