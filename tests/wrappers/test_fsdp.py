@@ -262,3 +262,14 @@ def test_bad_fsdp_values_are_config_errors(tmp_path, override, words):
     for word in words:
         assert word in str(error.value), str(error.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_activation_checkpointing_without_shard_units_is_refused_by_the_dry_run(capsys):
+    from trainrun.cli.plan import main as plan_main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tinylm_fsdp.yaml"
+    assert plan_main([str(config), "--cfg-options", "strategy.wrap=null"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1, err
+    assert "strategy.activation_checkpointing checkpoints the shard units: name them with " \
+           "strategy.wrap" in err, err

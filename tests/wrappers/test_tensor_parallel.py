@@ -186,6 +186,29 @@ def test_a_sequence_the_ranks_do_not_divide_is_refused_before_any_collective(run
                     "evenly over tp 2 ranks; make the sequence length a multiple of 2"] * 2
 
 
+def _no_plan_body(work_dir: str) -> tuple[str, bool]:
+    """On every rank: build a run of the digits MLP (no plan) under tp=2; the refusal, and
+    whether the run directory exists after it."""
+    from trainrun.runner.config import ConfigError, load_config
+    from trainrun.runner.runner import Runner
+
+    cfg = load_config(str(DIGITS), ["strategy.type=fsdp", "strategy.tp=2", "launcher=pytorch",
+                                    f"work_dir={work_dir}"])
+    with pytest.raises(ConfigError) as raised:
+        Runner.from_cfg(cfg)
+    return str(raised.value), Path(work_dir).exists()
+
+
+def test_the_run_refuses_a_model_without_a_plan_before_writing_anything(run_on, tmp_path):
+    """What only the built model can show (here: it has no plan) is a config error of the run
+    too (exit 2 from the command line), not a traceback."""
+    refused = run_on(2)(_no_plan_body, str(tmp_path / "run"))
+    for says, written in refused:
+        assert says.startswith("strategy.tp: 2 splits the model over 2 ranks, but it has no "
+                               "plan saying how"), says
+        assert not written
+
+
 @pytest.mark.parametrize(("config", "options", "says"), [
     (TINYLM, ["strategy.tp=3"], "strategy.tp: 3 must divide the world size; got 4"),
     (TINYLM, ["strategy.tp=0"], "strategy.tp must be a positive int"),

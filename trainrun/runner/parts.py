@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainrun.messages import first_line
 from trainrun.runner.builder import (
     build_dataloader,
     build_metrics,
@@ -210,7 +211,11 @@ class PartBuilder:
         optim_cfg = optim if isinstance(optim, Mapping) else {}
         strategy.configure(getattr(runner.train_dataloader, "batch_size", None), optim_cfg,
                            precision)
-        model, optimizer = strategy.setup(model, runner.device, make_optimizer)
+        try:
+            model, optimizer = strategy.setup(model, runner.device, make_optimizer)
+        except ValueError as error:  # an option the model refuses (a wrap class it lacks, a
+            # tp plan it has none of): as the dry run says it, before anything is written
+            raise ConfigError(first_line(error)) from error
         optim_wrapper = strategy.optim_wrapper(model, optimizer)
         if optimizer is not None and optim_wrapper is None:
             optim_wrapper = wrap_optimizers(optimizer, optim_cfg, precision, runner.device.type)

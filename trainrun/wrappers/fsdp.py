@@ -110,6 +110,10 @@ def check_tp(tp: Any, world: int | None = None) -> None:
                          f"process(es)")
 
 
+NO_UNITS = ("strategy.activation_checkpointing checkpoints the shard units: name them with "
+            "strategy.wrap (classes or min_params)")
+
+
 def check_sequence_parallel(sequence_parallel: Any, tp: int) -> None:
     """Refuse a ``strategy.sequence_parallel`` that is not a bool, or true without ``tp`` > 1
     (it cuts what lies between tensor-parallel layers)."""
@@ -305,8 +309,7 @@ class MMFullyShardedDataParallel(nn.Module):
                        sequence_parallel)
         if activation_checkpointing:
             if not units:
-                raise ValueError("strategy.activation_checkpointing checkpoints the shard "
-                                 "units: name them with strategy.wrap (classes or min_params)")
+                raise ValueError(NO_UNITS)
             from torch.distributed._composable import checkpoint
 
             for unit in units:
@@ -463,6 +466,8 @@ class FSDPStrategy(Strategy):
         check_wrap_keys(options["wrap"])
         check_tp(options["tp"])
         check_sequence_parallel(options["sequence_parallel"], options["tp"])
+        if options["activation_checkpointing"] and not options["wrap"]:
+            raise ValueError(NO_UNITS)
         if options["tp_plan"] is not None:
             check_plan(options["tp_plan"])
         if (cfg.get("optim") or {}).get("per_module"):
