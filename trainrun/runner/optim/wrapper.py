@@ -331,7 +331,12 @@ def grad_norm(params: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The norm of all of ``params``' gradients together. Gradients sharded over different
     device meshes (tensor-parallel layers beside the others under FSDP) cannot be stacked in
     one DTensor operation: their norms are taken per mesh, made whole, then combined."""
-    groups = _by_mesh(params)
+    return _norm_by_mesh(params, _by_mesh(params), norm_type)
+
+
+def _norm_by_mesh(params: list[Tensor], groups: dict[Any, list[Tensor]],
+                  norm_type: float) -> Tensor:
+    """`grad_norm` of ``params``, grouped by mesh already (``groups``, `_by_mesh`'s)."""
     if len(groups) <= 1:  # torch's own measure (no gradients at all included)
         return nn.utils.get_total_norm([p.grad for p in params], norm_type)
     norms = [nn.utils.get_total_norm([p.grad for p in group], norm_type)
@@ -348,7 +353,7 @@ def clip_grad_norm(params: list[Tensor], max_norm: float, norm_type: float = 2.0
     if len(groups) <= 1:
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                         foreach)
-    total = grad_norm(params, norm_type)
+    total = _norm_by_mesh(params, groups, norm_type)  # (grouped once, for both)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"non-finite ({total.item()}); clipping them is meaningless")
