@@ -1,20 +1,24 @@
-"""Tensor parallelism against plain fsdp on the same ranks: time per step and peak memory, by
-model width.
+"""Tensor and pipeline parallelism against plain fsdp on the same ranks: time per step and
+peak memory, by model width.
 
     python bench/parallel.py [--ranks 4] [--widths 128 512 1024] [--steps 10]
+                             [--microbatches 4]
 
 For each width, N gloo processes (spawned here, one thread each) train the shipped tinylm
 config (``configs/tinylm_fsdp.yaml``: a shard unit per block, activation checkpointing) for
-``--steps`` steps through the Runner, twice: plain fsdp over all N ranks, then fsdp with
-``strategy.tp=2`` (N/2 data-parallel ranks, each pair splitting every block). Both see the same
-global batch (``--batch`` blocks of 64 characters per data-parallel rank under fsdp, twice that
-per rank under tp), so their losses agree and only the work differs.
+``--steps`` steps through the Runner, three times: plain fsdp over all N ranks; fsdp with
+``strategy.tp=2`` (N/2 data-parallel ranks, each pair splitting every block); and fsdp with
+``strategy.pp=2`` (N/2 data-parallel ranks, each pair a pipeline of two stages of one block,
+running each batch in ``--microbatches``). All see the same global batch (``--batch`` blocks
+of 64 characters per data-parallel rank under fsdp, twice that per rank under tp and pp), so
+their losses agree and only the work differs.
 
 Printed per width: the median seconds per step of rank 0 (the first two steps left out) and the
 largest peak memory of any rank, as the run logs it (on the CPU, the process's peak resident
-set, which includes torch itself, about 300 MiB), each as tp / fsdp. Ratios below 1 mean tp
-pays off. The parameters, gradients and optimiser state each rank holds are checked against
-the memory plan by ``bench/memory_plan.py --cases 'fsdp tp=2'``.
+set, which includes torch itself, about 300 MiB), each as a ratio to fsdp's. Ratios below 1
+mean the layout pays off. The parameters, gradients and optimiser state each rank holds are
+checked against the memory plan by ``bench/memory_plan.py --cases 'fsdp tp=2'`` and by
+tests/wrappers/test_pipeline.py for pp.
 """
 
 from __future__ import annotations
@@ -38,16 +42,25 @@ RUN = ["data.val=null", "checkpoint.interval=0", "checkpoint.save_last=false",
        "logging.interval=1", "logging.backends=[jsonl]", "launcher=pytorch"]
 
 
-def _options(width: int, tp: int, batch: int, steps: int, work_dir: str) -> list[str]:
-    return [*RUN, f"model.n_embd={width}", "model.n_head=8", f"strategy.tp={tp}",
-            f"data.train.batch_size={batch * tp}", f"schedule.max_iters={steps}",
+# the layouts, each against fsdp: its options, given the microbatches
+LAYOUTS = {"fsdp": lambda micro: [],
+           "tp=2": lambda micro: ["strategy.tp=2"],
+           "pp=2": lambda micro: ["strategy.pp=2", f"strategy.pp_microbatches={micro}"]}
+
+
+def _options(width: int, layout: str, batch: int, steps: int, micro: int,
+             work_dir: str) -> list[str]:
+    peers = 1 if layout == "fsdp" else 2  # ranks that share a batch
+    return [*RUN, f"model.n_embd={width}", "model.n_head=8", *LAYOUTS[layout](micro),
+            f"data.train.batch_size={batch * peers}", f"schedule.max_iters={steps}",
             f"work_dir={work_dir}"]
 
 
-def _train(width: int, tp: int, batch: int, steps: int, work_dir: str) -> dict[str, Any]:
+def _train(width: int, layout: str, batch: int, steps: int, micro: int,
+           work_dir: str) -> dict[str, Any]:
     """On one rank: train; rank 0's step times, losses and the peak memory of the rank that
     held most (rank 0 logs it); empty on the other ranks."""
-    cfg = load_config(str(CONFIG), _options(width, tp, batch, steps, work_dir))
+    cfg = load_config(str(CONFIG), _options(width, layout, batch, steps, micro, work_dir))
     with Runner.from_cfg(cfg) as runner:
         runner.train()
         rank = runner.rank
@@ -59,10 +72,11 @@ def _train(width: int, tp: int, batch: int, steps: int, work_dir: str) -> dict[s
             "peak_mb": max((line.get("peak_memory_mb", 0) for line in lines), default=0)}
 
 
-def _all_widths(widths: list[int], batch: int, steps: int, root: str) -> dict:
+def _all_widths(widths: list[int], batch: int, steps: int, micro: int, root: str) -> dict:
     rank = torch.distributed.get_rank()
-    return {(width, tp): _train(width, tp, batch, steps, f"{root}/w{width}-tp{tp}-{rank}")
-            for width in widths for tp in (1, 2)}
+    return {(width, layout): _train(width, layout, batch, steps, micro,
+                                    f"{root}/w{width}-{layout}-{rank}")
+            for width in widths for layout in LAYOUTS}
 
 
 def main() -> int:
@@ -73,25 +87,34 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8,
                         help="blocks per data-parallel rank under fsdp")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="strategy.pp_microbatches under pp=2 (at least 2)")
     args = parser.parse_args()
     if args.ranks % 2:
-        parser.error(f"--ranks: tp=2 needs an even number of ranks; got {args.ranks}")
+        parser.error(f"--ranks: tp=2 and pp=2 need an even number of ranks; got {args.ranks}")
+    if args.microbatches < 2 or (2 * args.batch) % args.microbatches:
+        parser.error(f"--microbatches: at least 2, dividing a pipeline's batch of "
+                     f"{2 * args.batch}; got {args.microbatches}")
     with tempfile.TemporaryDirectory() as root:
         per_rank = run_on_ranks(args.ranks, _all_widths, args.widths, args.batch, args.steps,
-                                root)
+                                args.microbatches, root)
     print(f"\n{args.ranks} gloo ranks, one thread each; torch {torch.__version__}; tinylm, "
           f"2 blocks, 8 heads; global batch {args.batch * args.ranks} blocks of 64; "
-          f"{args.steps} steps\n")
-    print("| n_embd | fsdp s/step | tp=2 s/step | time tp / fsdp | fsdp peak MiB | "
-          "tp=2 peak MiB | memory tp / fsdp | losses agree within |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"{args.steps} steps; pp=2 in {args.microbatches} microbatches (1f1b)\n")
+    print("| n_embd | layout | s/step | time / fsdp | peak MiB | memory / fsdp | "
+          "losses agree with fsdp within |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for width in args.widths:
-        fsdp, tp = per_rank[0][(width, 1)], per_rank[0][(width, 2)]
-        peaks = [fsdp["peak_mb"], tp["peak_mb"]]
-        times = [statistics.median(fsdp["times"]), statistics.median(tp["times"])]
-        agree = max(abs(a - b) / abs(b) for a, b in zip(tp["losses"], fsdp["losses"], strict=True))
-        print(f"| {width} | {times[0]:.3f} | {times[1]:.3f} | {times[1] / times[0]:.2f} | "
-              f"{peaks[0]:.0f} | {peaks[1]:.0f} | {peaks[1] / peaks[0]:.2f} | {agree:.0e} |")
+        fsdp = per_rank[0][(width, "fsdp")]
+        base_time = statistics.median(fsdp["times"])
+        for layout in LAYOUTS:
+            run = per_rank[0][(width, layout)]
+            time = statistics.median(run["times"])
+            agree = max(abs(a - b) / abs(b)
+                        for a, b in zip(run["losses"], fsdp["losses"], strict=True))
+            print(f"| {width} | {layout} | {time:.3f} | {time / base_time:.2f} | "
+                  f"{run['peak_mb']:.0f} | {run['peak_mb'] / fsdp['peak_mb']:.2f} | "
+                  f"{agree:.0e} |")
     return 0
 
 

@@ -205,7 +205,7 @@ def export_runs(tmp_path_factory: pytest.TempPathFactory, run_on: Callable
     return out
 
 
-# ---------------------------------------------------------------- tensor parallelism
+# ---------------------------------------------------------------- tensor and pipeline parallelism
 
 TINYLM = Path(__file__).resolve().parents[1] / "configs" / "tinylm_fsdp.yaml"
 TP_STEPS = 40
@@ -214,12 +214,14 @@ TP_OPTIONS = [f"schedule.max_iters={TP_STEPS}", "schedule.val_interval=20",
 
 
 @shared_run
-def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The shipped tinylm config for ``TP_STEPS`` steps, checkpointed at 20 and 40: under
-    fsdp with tp=2 on 4 processes (``tp``: 2 data-parallel ranks) and under ddp on 2
-    (``ddp``: the same global batch). Their run directories, by name."""
-    root = tmp_path_factory.mktemp("tp")
+def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The shipped tinylm config for ``TP_STEPS`` steps, checkpointed at 20 and 40, on the same
+    global batch: under fsdp with tp=2 on 4 processes (``tp``: 2 data-parallel ranks), with
+    pp=2 on 4 (``pp``: 2 stages, 4 microbatches), and under ddp on 2 (``ddp``). Their run
+    directories, by name."""
+    root = tmp_path_factory.mktemp("parallel")
     runs = {"tp": (4, str(TINYLM), ["strategy.tp=2"]),
+            "pp": (4, str(TINYLM), ["strategy.pp=2", "strategy.pp_microbatches=4"]),
             "ddp": (2, str(TINYLM.with_name("tinylm_ddp.yaml")), [])}
     for name, (nproc, config, options) in runs.items():
         done = run(torchrun(config, "--launcher", "pytorch", "--work-dir", str(root / name),

@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from tests.plans import plan_and_measure
 from trainrun.cli import train as train_tool
-from trainrun.runner.config import load_config
-from trainrun.runner.memory_watch import watch_memory
 from trainrun.runner.optim.factory import _STATES, state_tensors
-from trainrun.runner.plan import plan_memory
-from trainrun.runner.runner import Runner
 from trainrun.wrappers import STRATEGIES as STRATEGY_CLASSES
 from trainrun.wrappers.memory import KINDS, param_specs
 
@@ -149,21 +145,6 @@ STRATEGIES = {
 }
 
 
-def _plan_and_measure(config: str, overrides: list[str], work_dir: str) -> tuple[dict, dict]:
-    """On every rank: the plan for this job's size, and the peak this rank held by kind over
-    2 training steps."""
-    cfg = load_config(config, [*overrides, f"work_dir={work_dir}"])
-    plan = plan_memory(OmegaConf.to_container(cfg, resolve=True),
-                       torch.distributed.get_world_size())
-    with Runner.from_cfg(cfg) as runner:
-        watch = watch_memory(runner)
-        runner.train()
-        watch.close()
-    assert watch.steps == 2
-    return ({kind: plan.kind(kind) for kind in KINDS},
-            {kind: watch.peak.kind(kind) for kind in KINDS})
-
-
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_the_plan_is_within_10_percent_of_what_2_ranks_hold(run_on, tmp_path, name):
     """The plan is the most any rank holds: set beside the measured rank that holds most."""
@@ -171,7 +152,7 @@ def test_the_plan_is_within_10_percent_of_what_2_ranks_hold(run_on, tmp_path, na
         pytest.importorskip("deepspeed")
     config = tmp_path / "toy.yaml"
     config.write_text(CONFIG)
-    results = run_on(2)(_plan_and_measure, str(config), STRATEGIES[name], str(tmp_path / "run"))
+    results = run_on(2)(plan_and_measure, str(config), STRATEGIES[name], str(tmp_path / "run"))
     planned = results[0][0]
     assert all(plan == planned for plan, _ in results)  # every rank plans the same
     for kind in KINDS:

@@ -70,6 +70,19 @@ def check_metadata(path: str | os.PathLike) -> Any:
     return metadata
 
 
+def flat_optimizer_state(metadata: Any) -> bool:
+    """Whether a DCP checkpoint's optimiser options are recorded per parameter name
+    (``optimizer.param_groups.<name>.<option>``, as pipeline stages write them) instead of
+    per group number (``optimizer.param_groups.<i>.<option>``).
+
+    Args:
+        metadata: the checkpoint's metadata (`check_metadata`'s).
+    """
+    prefix = "optimizer.param_groups."
+    return any(not key[len(prefix):].partition(".")[0].isdigit()
+               for key in metadata.state_dict_metadata if key.startswith(prefix))
+
+
 def _check_shard_sizes(path: Path, metadata: Any) -> None:
     """Refuse shard files shorter than the bytes the metadata records in them."""
     ends: dict[str, int] = {}
@@ -176,6 +189,8 @@ class DCPDirectory(CheckpointFormat):
         ``optimizer.param_groups.<i>.<option>``), each group's name and parameters read from
         the shards (a few small entries); where those cannot be read, the count alone."""
         metadata = check_metadata(path)
+        if flat_optimizer_state(metadata):  # (options per parameter: no groups to count)
+            return None
         prefix = "optimizer.param_groups."
         entries = [key for key in metadata.state_dict_metadata if key.startswith(prefix)]
         count = len({key[len(prefix):].partition(".")[0] for key in entries})

@@ -263,15 +263,36 @@ class TinyLM(BaseModel):
         if length > self.block_size:
             raise ValueError(f"sequence of {length} tokens is longer than block_size "
                              f"{self.block_size}")
-        positions = torch.arange(length, device=ids.device)
-        x = self.drop(self.token_emb(ids) + self.pos_emb(positions))
-        return self.head(self.ln_f(self.blocks(x)))
+        return self.pp_forward(ids)
 
     def forward(self, batch: dict[str, Tensor], mode: str = "loss") -> Any:
         if mode not in ("loss", "predict"):
             raise ValueError(f"mode must be 'loss' or 'predict'; got {mode!r}")
+        return self.pp_outputs(self.logits(self.pp_inputs(batch)), batch, mode)
+
+    # How pipeline parallelism (strategy.pp) runs the model in parts: between its blocks. A
+    # stage holds some of the parts; the others are None (see trainrun.wrappers.pipeline).
+    pp_blocks = "blocks"
+
+    def pp_inputs(self, batch: dict[str, Tensor]) -> Tensor:
+        """What the first stage takes: the token ids."""
+        return batch["inputs"]
+
+    def pp_forward(self, x: Tensor) -> Tensor:
+        """Token ids to scores, through the parts this model holds: a pipeline stage without
+        the embeddings takes the previous stage's activations, one without the head hands on
+        its own."""
+        if self.token_emb is not None:
+            positions = torch.arange(x.size(1), device=x.device)
+            x = self.drop(self.token_emb(x) + self.pos_emb(positions))
+        x = self.blocks(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return self.head(x) if self.head is not None else x
+
+    def pp_outputs(self, logits: Tensor, batch: dict[str, Tensor], mode: str) -> Any:
+        """``forward``'s result from the scores: ``{'loss': ...}``, or each sample's loss."""
         labels = batch["labels"]
-        logits = self.logits(batch["inputs"])
         token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                      reduction="none").view_as(labels)
         if mode == "loss":

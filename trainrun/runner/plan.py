@@ -265,6 +265,13 @@ class Plan:
     warnings: list[str]
 
 
+def _model_parallel(cfg: Mapping[str, Any], peers: int) -> str:
+    """The ranks that hold one copy of the model between them, in words: 'tp 2', 'tp 2 x pp
+    2' (strategy 'fsdp''s options)."""
+    pp = (cfg.get("strategy") or {}).get("pp", 1)
+    return f"tp {peers // pp} x pp {pp}" if pp > 1 else f"tp {peers}"
+
+
 def data_ranks(cfg: Mapping[str, Any], world_size: int) -> int:
     """The ranks the training data is dealt to among ``world_size``: fewer where the
     strategy's ranks share batches (``model_parallel_size``, tensor parallelism)."""
@@ -492,7 +499,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
     batch, data = train["batch_size"], data_ranks(cfg, world_size)
     effective = batch * data * optim["accumulate"]
     ranks = f"{world_size} ranks" if data == world_size else \
-        f"{data} data-parallel ranks ({world_size} / tp {world_size // data})"
+        f"{data} data-parallel ranks ({world_size} / {_model_parallel(cfg, world_size // data)})"
     schedule = cfg["schedule"]
     length = "size unknown" if dataset_length is None else f"{dataset_length} items"
     rows = [

@@ -24,11 +24,12 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor, nn
 
-from trainrun.checkpoint.dcp import check_metadata, quiet_single_process
+from trainrun.checkpoint.dcp import check_metadata, flat_optimizer_state, quiet_single_process
 from trainrun.checkpoint.files import save_state_file
 from trainrun.checkpoint.format import checkpoint_format, load_state_file
 from trainrun.checkpoint.optimizer_state import (
     OPTIMIZER_MISMATCH_HINT,
+    Groups,
     OptimizerMismatch,
     named_optimizer_state,
     optimizer_order,
@@ -41,9 +42,17 @@ from trainrun.registry import FORMATS
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
 from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
+from trainrun.wrappers.pipeline import (
+    Pipeline,
+    check_pp,
+    check_protocol,
+    cut,
+    shared_parameters,
+)
 from trainrun.wrappers.tensor_parallel import (
     apply_plan,
     check_plan,
+    held_plan,
     model_plan,
     split_after_checkpoint,
     split_shapes,
@@ -110,6 +119,17 @@ def check_tp(tp: Any, world: int | None = None) -> None:
                          f"process(es)")
 
 
+def check_pipeline(pp: int, split: Any, microbatches: Any, schedule: Any,
+                   sequence_parallel: bool, world: int | None = None, tp: int = 1) -> None:
+    """Refuse pipeline options of the wrong kind (`check_pp`), and sequence parallelism with
+    them: a stage would hand the next one its part of the sequence only."""
+    check_pp(pp, pp if microbatches is None else microbatches, schedule, split, world, tp)
+    if pp > 1 and sequence_parallel:
+        raise ValueError("strategy.sequence_parallel does not compose with strategy.pp yet: a "
+                         "stage would hand the next only its part of the sequence; set one "
+                         "of them")
+
+
 NO_UNITS = ("strategy.activation_checkpointing checkpoints the shard units: name them with "
             "strategy.wrap (classes or min_params)")
 
@@ -127,23 +147,29 @@ def check_sequence_parallel(sequence_parallel: Any, tp: int) -> None:
 
 
 def device_mesh(sharding: str, device: torch.device, shard_size: int | None,
-                tp: int = 1) -> DeviceMesh:
+                tp: int = 1, pp: int = 1) -> DeviceMesh:
     """The ranks as a mesh of named dimensions: ``dp_shard`` (full, grad_op) or
-    ``dp_replicate`` x ``dp_shard`` (none, hybrid), then ``tp`` where ``tp`` > 1. A rank's
-    tensor-parallel peers are consecutive ranks (on one node, where it has ``tp`` or more)."""
+    ``dp_replicate`` x ``dp_shard`` (none, hybrid), then ``pp`` and ``tp`` where they are
+    above 1. A rank's tensor-parallel peers are consecutive ranks (on one node, where it has
+    ``tp`` or more), and the stages of its pipeline are the next ones after them."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = get_world_size()
     check_tp(tp, world)
-    data = world // tp
+    if world % (tp * pp):
+        raise ValueError(f"strategy.pp {pp} x strategy.tp {tp} must divide the world size; "
+                         f"got {world} process(es)")
+    data = world // (tp * pp)
     if sharding in ("full", "grad_op"):
         dims = {"dp_shard": data}
     else:
         size = 1 if sharding == "none" else shard_size or max(get_local_size() // tp, 1)
         if size < 1 or data % size:
             raise ValueError(f"strategy.hybrid_shard_size must divide the data-parallel ranks "
-                             f"({data} = world size {world} / tp {tp}); got {size}")
+                             f"({data} = world size {world} / tp {tp} / pp {pp}); got {size}")
         dims = {"dp_replicate": data // size, "dp_shard": size}
+    if pp > 1:
+        dims["pp"] = pp
     if tp > 1:
         dims["tp"] = tp
     return init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
@@ -155,17 +181,19 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if len(names) == mesh.ndim else mesh[tuple(names)]
 
 
-def shard_units(model: nn.Module, wrap: dict[str, Any] | None) -> list[nn.Module]:
+def shard_units(model: nn.Module, wrap: dict[str, Any] | None,
+                check: bool = True) -> list[nn.Module]:
     """The submodules that become their own shard units, innermost first: those whose class
     is named in ``wrap['classes']``, or that hold at least ``wrap['min_params']`` parameters
-    not already in a unit below them."""
+    not already in a unit below them. ``check``: refuse a class the model does not have (a
+    pipeline stage need not have every class the whole model has)."""
     check_wrap_keys(wrap)
     wrap = dict(wrap or {})
     classes = set(wrap.get("classes") or ())
     min_params = wrap.get("min_params")
     found = {type(m).__name__ for m in model.modules()}
     missing = sorted(classes - found)
-    if missing:
+    if missing and check:
         raise ValueError(f"strategy.wrap.classes: the model has no module of class "
                          f"{missing[0]!r}")
     units: list[nn.Module] = []
@@ -231,6 +259,44 @@ def _gathered_note(model: nn.Module, options: Mapping[str, Any]) -> str:
             f"(the largest of {len(sizes)} units: {human(largest)}; prefetching may hold two)")
 
 
+def stage_specs(model: nn.Module, specs: Sequence[ParamSpec], pp: int,
+                split: Sequence[str] | None) -> list[list[ParamSpec]]:
+    """The parameters each of ``pp`` pipeline stages holds (one shared by two stages, as a
+    tied embedding, on both), cut from a copy of ``model`` (built on the meta device)."""
+    import copy
+
+    check_protocol(model, pp)
+    first = {}  # every name of a parameter -> the name its spec has (its first)
+    for names in [[name] for name, _ in model.named_parameters()] + shared_parameters(model):
+        first.update(dict.fromkeys(names, names[0]))
+    by_name = {spec.name: spec for spec in specs}
+    stages = []
+    for stage in range(pp):
+        part = copy.deepcopy(model)
+        cut(part, pp, stage, split)
+        held = dict.fromkeys(first[name] for name, _ in
+                             part.named_parameters(remove_duplicate=False))
+        stages.append([by_name[name] for name in held])
+    return stages
+
+
+def _pipeline_note(plans: list[StateBytes], plan: StateBytes, options: Mapping[str, Any],
+                   staged: bool) -> str:
+    """What the memory plan says of the pipeline: which stage the figures are, and the
+    activations in flight it leaves out."""
+    pp, schedule = options["pp"], options["pp_schedule"]
+    microbatches = options["pp_microbatches"] or pp
+    held = microbatches if schedule == "gpipe" else min(pp, microbatches)
+    if not staged:
+        where = f"pipeline of {pp} stages (strategy.pp): the figures are the whole model's"
+    else:
+        totals = ", ".join(human(each.total) for each in plans)
+        where = (f"pipeline of {pp} stages (strategy.pp): the figures are stage "
+                 f"{plans.index(plan) + 1}'s, the largest (stages: {totals})")
+    return (f"{where}; not in the total: the activations of up to {held} microbatches in "
+            f"flight on the first stage ({schedule}, {microbatches} microbatches)")
+
+
 def compile_units(model: nn.Module, units: list[nn.Module], options: dict[str, Any]) -> None:
     """Compile each shard unit (the whole model where there are none), as torchtitan compiles
     each transformer block: every unit is then one compiled region between FSDP's gathers."""
@@ -283,13 +349,22 @@ class MMFullyShardedDataParallel(nn.Module):
         tp_plan: module-name patterns to tensor-parallel styles; None: the model's own.
         sequence_parallel: between the split layers, cut the activations along the sequence
             (the plan's ``sequence_parallel`` and ``sequence_split`` modules); needs ``tp`` > 1.
+        pp: the pipeline stages: the model is cut into ``pp`` parts, each rank holding one and
+            its pipeline's ranks running them in turn (see ``trainrun.wrappers.pipeline``);
+            1: none.
+        pp_split: the names of the parts where stages 2, 3, ... begin; None: between the
+            model's blocks, evenly.
+        pp_microbatches: the parts each batch is cut into for the pipeline; None: ``pp``.
+        pp_schedule: the order the stages run the microbatches in: ``gpipe`` (all forwards,
+            then all backwards) or ``1f1b`` (one forward, one backward, once the pipeline is
+            full: fewer activations held).
 
     Raises:
         ValueError: an unknown sharding, dtype name or wrap key, a class ``wrap`` names that
             the model does not have, a ``hybrid_shard_size`` or ``tp`` that does not divide
             the world size, ``activation_checkpointing`` without shard units, ``tp`` > 1
-            without a plan, or ``sequence_parallel`` under a plan without a sequence-parallel
-            module.
+            without a plan, ``sequence_parallel`` under a plan without a sequence-parallel
+            module, or ``pp`` > 1 for a model that does not say how it runs in parts.
     """
 
     def __init__(self, module: nn.Module, sharding: str = "full",
@@ -297,16 +372,24 @@ class MMFullyShardedDataParallel(nn.Module):
                  wrap: dict[str, Any] | None = None, activation_checkpointing: bool = False,
                  hybrid_shard_size: int | None = None, device: torch.device | None = None,
                  compile: dict[str, Any] | None = None, tp: int = 1,
-                 tp_plan: dict[str, str] | None = None, sequence_parallel: bool = False):
+                 tp_plan: dict[str, str] | None = None, sequence_parallel: bool = False,
+                 pp: int = 1, pp_split: list[str] | None = None,
+                 pp_microbatches: int | None = None, pp_schedule: str = "1f1b"):
         super().__init__()
         check_sharding(sharding)
         check_sequence_parallel(sequence_parallel, tp)
+        check_pipeline(pp, pp_split, pp_microbatches, pp_schedule, sequence_parallel)
         device = device or next(module.parameters()).device
-        units = shard_units(module, wrap)
-        mesh = device_mesh(sharding, device, hybrid_shard_size, tp)
-        if tp > 1:
-            apply_plan(module, model_plan(module, tp_plan, tp, sequence_parallel), mesh["tp"],
-                       sequence_parallel)
+        shard_units(module, wrap)  # (the whole model has the classes wrap names)
+        mesh = device_mesh(sharding, device, hybrid_shard_size, tp, pp)
+        plan = model_plan(module, tp_plan, tp, sequence_parallel) if tp > 1 else None
+        shared = shared_parameters(module)
+        if pp > 1:
+            check_protocol(module, pp)
+            cut(module, pp, mesh["pp"].get_local_rank(), pp_split)
+        units = shard_units(module, wrap, check=False)
+        if plan is not None:
+            apply_plan(module, held_plan(module, plan), mesh["tp"], sequence_parallel)
         if activation_checkpointing:
             if not units:
                 raise ValueError(NO_UNITS)
@@ -333,6 +416,8 @@ class MMFullyShardedDataParallel(nn.Module):
         self.module = module
         self.units = units
         self.mesh = mesh
+        self.pipeline = Pipeline(module, mesh, pp_microbatches or pp, pp_schedule, shared,
+                                 device) if pp > 1 else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -347,31 +432,40 @@ class MMFullyShardedDataParallel(nn.Module):
             self.module.set_requires_gradient_sync(True)
 
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, Tensor]:
+        if self.pipeline is not None:
+            return self.pipeline.train_step(data, optim_wrapper)
         return loss_step(self, data, optim_wrapper)
 
     def val_step(self, data: Any) -> Any:
+        if self.pipeline is not None:
+            return self.pipeline.predict(data, "predict")
         return self.module.val_step(data)
 
     def test_step(self, data: Any) -> Any:
+        if self.pipeline is not None:
+            return self.pipeline.predict(data, "predict")
         return self.module.test_step(data)
 
 
 # ---------------------------------------------------------------- checkpoints
 
-def _sharded_state(module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
+def _sharded_state(module: nn.Module, optimizer: Optimizers | None,
+                   flat: bool = False) -> dict[str, Any]:
     """This rank's shards of model and optimiser, keyed by the plain model's names: what DCP
     saves, and the template it loads into (tensors that a tensor-parallel fused layer splits
-    within its parts are whole: see `whole_for_checkpoint`)."""
-    return _checkpoint_state(module, optimizer)[0]
+    within its parts are whole: see `whole_for_checkpoint`). ``flat``: the optimiser's
+    options per parameter name instead of per group (`flat_optimizer_state`)."""
+    return _checkpoint_state(module, optimizer, flat)[0]
 
 
-def _checkpoint_state(module: nn.Module, optimizer: Optimizers | None
+def _checkpoint_state(module: nn.Module, optimizer: Optimizers | None, flat: bool = False
                       ) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]:
     """`_sharded_state`, and the tensors made whole in it (for `split_after_checkpoint`)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_state, optim_state = get_state_dict(
-        module, [optimizer] if optimizer is not None else [])
+        module, [optimizer] if optimizer is not None else [],
+        options=StateDictOptions(flatten_optimizer_state_dict=flat))
     return whole_for_checkpoint({"model": model_state} if optimizer is None else
                                 {"model": model_state, "optimizer": optim_state})
 
@@ -417,6 +511,14 @@ class FSDPStrategy(Strategy):
         sequence_parallel: between the split layers, cut the activations along the sequence
             (norms and dropout compute each rank's part); needs ``tp`` > 1 and a plan that
             names its ``sequence_parallel`` modules.
+        pp: the pipeline stages: the model is cut into ``pp`` parts that consecutive groups
+            of ``tp`` ranks hold and run in turn, on the same batches, cut into
+            ``pp_microbatches``; the model says how it runs in parts (see
+            ``trainrun.wrappers.pipeline``).
+        pp_split: the names of the parts where stages 2, 3, ... begin; None: between the
+            model's blocks, evenly.
+        pp_microbatches: the parts each batch is cut into; None: ``pp``.
+        pp_schedule: ``gpipe`` or ``1f1b``.
     """
 
     name = "fsdp"
@@ -438,6 +540,10 @@ class FSDPStrategy(Strategy):
         "tp": 1,
         "tp_plan": None,
         "sequence_parallel": False,
+        "pp": 1,
+        "pp_split": None,
+        "pp_microbatches": None,
+        "pp_schedule": "1f1b",
     }
     ACCEPTS = {
         "sharding": f"one of {', '.join(SHARDINGS)}",
@@ -450,12 +556,19 @@ class FSDPStrategy(Strategy):
         "tp_plan": "null or {module-name pattern: colwise | rowwise | colwise_gather_output | "
                    "colwise_fused:N | vocab_embedding | sequence_parallel | sequence_split}",
         "sequence_parallel": "true or false (true needs tp > 1)",
+        "pp": "a positive int; pp x tp divides the world size",
+        "pp_split": "null or a list of pp - 1 module names (where stages 2, 3, ... begin)",
+        "pp_microbatches": "null (pp) or an int, at least pp, that divides the batch",
+        "pp_schedule": "gpipe or 1f1b",
     }
 
     def __init__(self, **options: Any):
         super().__init__(**options)
         self._save_group: torch_dist.ProcessGroup | None = None  # async saves' collectives
-        self.model_parallel_size = self.options["tp"]
+        self.model_parallel_size = self.options["tp"] * self.options["pp"]
+        # Pipeline stages optimise different parameters: their optimisers' options are saved
+        # per parameter name, which do not collide as group numbers would
+        self._flat = self.options["pp"] > 1
 
     @classmethod
     def check_config(cls, cfg: Mapping[str, Any]) -> None:
@@ -466,6 +579,8 @@ class FSDPStrategy(Strategy):
         check_wrap_keys(options["wrap"])
         check_tp(options["tp"])
         check_sequence_parallel(options["sequence_parallel"], options["tp"])
+        check_pipeline(options["pp"], options["pp_split"], options["pp_microbatches"],
+                       options["pp_schedule"], options["sequence_parallel"])
         if options["activation_checkpointing"] and not options["wrap"]:
             raise ValueError(NO_UNITS)
         if options["tp_plan"] is not None:
@@ -490,21 +605,28 @@ class FSDPStrategy(Strategy):
                 no plan under ``tp`` > 1, the plan names modules it does not have, or no
                 sequence-parallel module under ``sequence_parallel``."""
         options = cls.options_in(cfg)
-        tp = options["tp"]
+        tp, pp = options["tp"], options["pp"]
         check_tp(tp, world_size)
+        check_pipeline(pp, options["pp_split"], options["pp_microbatches"],
+                       options["pp_schedule"], options["sequence_parallel"], world_size, tp)
         split = split_shapes(model, model_plan(model, options["tp_plan"], tp,
                                                options["sequence_parallel"]), tp) \
             if tp > 1 and model is not None else {}
-        size, how = _shard_group(options, world_size // tp)
-        plan = replicated(specs, lambda spec: _shard_numel(split.get(spec.name, spec.shape),
-                                                           size) * spec.itemsize,
-                          cpu=bool(options["cpu_offload"]))
+        size, how = _shard_group(options, world_size // (tp * pp))
+        stages = stage_specs(model, specs, pp, options["pp_split"]) \
+            if pp > 1 and model is not None else [specs]
+        plans = [replicated(held, lambda spec: _shard_numel(split.get(spec.name, spec.shape),
+                                                            size) * spec.itemsize,
+                            cpu=bool(options["cpu_offload"])) for held in stages]
+        plan = max(plans, key=lambda each: each.total)
         plan.notes.append(f"sharded over {how}" + ("; all of it offloaded to the CPU "
                                                    "(cpu_offload)" if options["cpu_offload"]
                                                    else ""))
         if split:
             plan.notes.append(f"tensor parallel over {tp} ranks (strategy.tp): {len(split)} "
                               f"parameters split by the plan, the others whole on each")
+        if pp > 1:
+            plan.notes.append(_pipeline_note(plans, plan, options, model is not None))
         gathered = _gathered_note(model, options) if model is not None else None
         if gathered is not None and size > 1:  # (built on any world size: checks the wrap)
             plan.notes.append(gathered)
@@ -518,6 +640,9 @@ class FSDPStrategy(Strategy):
                                                compile=self.compile_options, **self.options)
         else:
             check_tp(self.options["tp"], 1)
+            check_pipeline(self.options["pp"], self.options["pp_split"],
+                           self.options["pp_microbatches"], self.options["pp_schedule"],
+                           self.options["sequence_parallel"], world=1)
             log.info("strategy 'fsdp' in a single process: the model is not sharded")
             if self.compile_options is not None:
                 compile_units(model, shard_units(model, self.options["wrap"]),
@@ -571,16 +696,22 @@ class FSDPStrategy(Strategy):
             self._sharded_params(model)  # drop any gathered copy of the old values
 
     def full_params(self, model: nn.Module, shards: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Whole tensors from every rank's shards (all-gathers over the model's mesh)."""
+        """Whole tensors from every rank's shards (all-gathers over the model's mesh; under
+        ``pp``, those of every stage of the pipeline as well)."""
         if not self._sharded(model):
             return super().full_params(model, shards)
         from torch.distributed.tensor import DTensor
 
         params = self._sharded_params(model)
-        return {name: DTensor.from_local(shard, params[name].device_mesh,
-                                         params[name].placements, shape=params[name].shape,
-                                         stride=params[name].stride()).full_tensor()
-                for name, shard in shards.items()}
+        whole = {name: DTensor.from_local(shard, params[name].device_mesh,
+                                          params[name].placements, shape=params[name].shape,
+                                          stride=params[name].stride()).full_tensor()
+                 for name, shard in shards.items()}
+        if model.pipeline is None:
+            return whole
+        stages: list[Any] = [None] * model.pipeline.stages
+        torch_dist.all_gather_object(stages, whole, group=model.pipeline.group)
+        return {name: tensor for stage in stages for name, tensor in stage.items()}
 
     def shard_params(self, model: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """This rank's shard of each whole tensor, cut as `fully_shard` (and the tp plan) cut
@@ -591,6 +722,9 @@ class FSDPStrategy(Strategy):
         from torch.distributed.tensor import DTensor, Replicate
 
         params = self._sharded_params(model)
+        # a pipeline stage holds its part of the model; a tied parameter, saved by two stages
+        # under both its names, is a parameter once under its first name
+        full = {name: tensor for name, tensor in full.items() if name in params}
         out = {}
         for name, tensor in full.items():
             mesh = params[name].device_mesh
@@ -605,7 +739,7 @@ class FSDPStrategy(Strategy):
         ``extra`` in a plain torch file. Called on every rank."""
         import torch.distributed.checkpoint as dcp
 
-        state = _sharded_state(self.unwrap(model), optimizer)
+        state = _sharded_state(self.unwrap(model), optimizer, self._flat)
         _start_directory(path, extra)
         with quiet_single_process():
             dcp.save(state, checkpoint_id=path, no_dist=not is_distributed())
@@ -618,7 +752,7 @@ class FSDPStrategy(Strategy):
         own, so they never interleave with training's. Called on every rank."""
         import torch.distributed.checkpoint as dcp
 
-        state = _sharded_state(self.unwrap(model), optimizer)
+        state = _sharded_state(self.unwrap(model), optimizer, self._flat)
         _start_directory(path, extra)
         if self._save_group is None and is_distributed():
             self._save_group = torch_dist.new_group(backend="gloo", timeout=get_timeout())
@@ -652,6 +786,11 @@ class FSDPStrategy(Strategy):
                                         f"optimiser ({error}): {OPTIMIZER_MISMATCH_HINT}") from None
         return state
 
+    def optimizer_groups(self, optimizer: Optimizers | None) -> Groups | None:
+        """None under ``pp``: a stage's optimiser holds its part of the model's parameters,
+        and its checkpoint records options per parameter, not groups, to check against."""
+        return None if self._flat else super().optimizer_groups(optimizer)
+
     def teardown(self) -> None:
         super().teardown()
         if self._save_group is not None and is_distributed():
@@ -667,11 +806,11 @@ class FSDPStrategy(Strategy):
             return self._load_whole(path, model, optimizer) if self._sharded(model) else \
                 super().load_checkpoint(path, model, optimizer)
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        check_metadata(path)
+        flat = flat_optimizer_state(check_metadata(path))
         module = self.unwrap(model)
-        state, made_whole = _checkpoint_state(module, optimizer)
+        state, made_whole = _checkpoint_state(module, optimizer, flat)
         try:
             with quiet_single_process():
                 dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
@@ -683,5 +822,6 @@ class FSDPStrategy(Strategy):
         split_after_checkpoint(state, made_whole)
         set_state_dict(module, [optimizer] if optimizer is not None else [],
                        model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", {}))
+                       optim_state_dict=state.get("optimizer", {}),
+                       options=StateDictOptions(flatten_optimizer_state_dict=flat))
         return FORMATS[self.FORMAT].read_train_state(Path(path))

@@ -222,6 +222,19 @@ def model_plan(model: nn.Module, configured: Mapping[str, str] | None, tp: int,
     return dict(plan)
 
 
+def held_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``plan`` (checked on the whole model) that name a module ``model`` holds:
+    a pipeline stage holds some of the whole model's modules.
+
+    Args:
+        model: the model, or one pipeline stage of it.
+        plan: module-name patterns to style names.
+    """
+    names = [name for name, _ in model.named_modules()]
+    return {pattern: name for pattern, name in plan.items()
+            if any(_matches(each, pattern) for each in names)}
+
+
 def check_sequence_plan(plan: Mapping[str, str], key: str) -> None:
     """Refuse sequence parallelism under a plan that says where no part of the sequence is
     computed (no ``sequence_parallel`` module).

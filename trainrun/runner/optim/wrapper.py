@@ -6,7 +6,7 @@ A model's ``train_step`` runs its forward inside ``optim_context`` and hands the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
@@ -47,6 +47,9 @@ class OptimWrapper:
             clipping by norm the norm costs one more pass over the gradients); None after any
             other micro-step.
         measure_grad_norm: have the next steps measure ``grad_norm`` even without clipping.
+        combine_norms: where each rank holds a part of the model (pipeline stages), makes
+            this rank's gradient norm (and its ``norm_type``) the whole model's; set by the
+            pipeline (`trainrun.wrappers.pipeline`). None: the norm is already the whole's.
 
     Args:
         optimizer: the torch optimiser to step.
@@ -81,6 +84,7 @@ class OptimWrapper:
         self.micro_steps = 0  # taken since the last optimiser step
         self.grad_norm: Tensor | None = None
         self.measure_grad_norm = False
+        self.combine_norms: Callable[[Tensor, float], Tensor] | None = None
         self.iters = 0  # micro-steps taken in all, once `set_total` has been called
         self.max_iters: int | None = None
 
@@ -139,6 +143,13 @@ class OptimWrapper:
             loss = loss / group
         with phase("backward"):
             self.backward(loss)
+        self.gradients_in()
+
+    def gradients_in(self) -> None:
+        """Count a micro-step whose gradients are in; step and zero them once ``accumulate``
+        micro-steps are in. ``update_params`` ends with it; a step that runs its own backward
+        (a pipeline's schedule) calls it after, its loss divided by ``group_size()``."""
+        group = self.group_size()
         self.micro_steps += 1
         self.iters += 1
         if self.micro_steps >= group:
@@ -169,10 +180,11 @@ class OptimWrapper:
             params = [p for group in self.optimizer.param_groups for p in group["params"]
                       if p.grad is not None]
             if by_norm:  # it returns the norm before clipping
-                self.grad_norm = clip_grad_norm(params, **self.clip_grad)
+                self.grad_norm = clip_grad_norm(params, **self.clip_grad,
+                                                combine=self.combine_norms)
             else:
                 if self.measure_grad_norm:
-                    self.grad_norm = grad_norm(params)
+                    self.grad_norm = grad_norm(params, combine=self.combine_norms)
                 if self.clip_grad:
                     nn.utils.clip_grad_value_(params, **self.clip_grad)
         if self.scaler is not None:
@@ -327,11 +339,14 @@ def _by_mesh(params: list[Tensor]) -> dict[Any, list[Tensor]]:
     return found
 
 
-def grad_norm(params: list[Tensor], norm_type: float = 2.0) -> Tensor:
+def grad_norm(params: list[Tensor], norm_type: float = 2.0,
+              combine: Callable[[Tensor, float], Tensor] | None = None) -> Tensor:
     """The norm of all of ``params``' gradients together. Gradients sharded over different
     device meshes (tensor-parallel layers beside the others under FSDP) cannot be stacked in
-    one DTensor operation: their norms are taken per mesh, made whole, then combined."""
-    return _norm_by_mesh(params, _by_mesh(params), norm_type)
+    one DTensor operation: their norms are taken per mesh, made whole, then combined.
+    ``combine``: makes it the whole model's, where ``params`` are one pipeline stage's."""
+    total = _norm_by_mesh(params, _by_mesh(params), norm_type)
+    return total if combine is None else combine(total, norm_type)
 
 
 def _norm_by_mesh(params: list[Tensor], groups: dict[Any, list[Tensor]],
@@ -346,14 +361,18 @@ def _norm_by_mesh(params: list[Tensor], groups: dict[Any, list[Tensor]],
 
 
 def clip_grad_norm(params: list[Tensor], max_norm: float, norm_type: float = 2.0,
-                   error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
+                   error_if_nonfinite: bool = False, foreach: bool | None = None,
+                   combine: Callable[[Tensor, float], Tensor] | None = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_``, for gradients on several device meshes as well
-    (see `grad_norm`); returns the norm before clipping."""
+    (see `grad_norm`), and for one pipeline stage's gradients (``combine`` makes their norm
+    the whole model's); returns the norm before clipping."""
     groups = _by_mesh(params)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and combine is None:
         return nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                         foreach)
     total = _norm_by_mesh(params, groups, norm_type)  # (grouped once, for both)
+    if combine is not None:
+        total = combine(total, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"non-finite ({total.item()}); clipping them is meaningless")
