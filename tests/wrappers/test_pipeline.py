@@ -140,6 +140,33 @@ def _accumulating_body(work_dir: str, options: list[str]) -> list[dict]:
             if "loss" in r] if rank == 0 else []
 
 
+TEST_DATA = ["data.test.type=char_corpus", "data.test.split=val", "data.test.block_size=64",
+             "data.test.batch_size=48", "data.test.metrics=[val_loss]"]
+
+
+def _test_body(work_dir: str, checkpoint: str, options: list[str]) -> dict[str, float]:
+    """On every rank: test ``checkpoint`` on the validation text under ``options``."""
+    cfg = load_config(str(TINYLM), [*SMALL, *TEST_DATA, *options, f"load_from={checkpoint}",
+                                     f"work_dir={work_dir}"])
+    with Runner.from_cfg(cfg) as runner:
+        return runner.test()
+
+
+def test_a_pp_checkpoint_tests_through_the_stages_as_in_one_process(run_on, tmp_path) -> None:
+    """Weights trained under pp=2 (2 steps; a DCP directory of the two stages' parts), tested
+    under pp=2 (the whole batches through the stages, the last one smaller) and in one
+    process: the same score, within 1e-6."""
+    run_on(2)(_held_body, str(tmp_path / "run"), ["checkpoint.save_last=true"])
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "iter_2.pth")
+    split = run_on(2)(_test_body, str(tmp_path / "pp"), checkpoint,
+                      ["strategy.pp=2", "launcher=pytorch"])
+    plain = run_on(1)(_test_body, str(tmp_path / "one"), checkpoint,
+                      ["strategy.type=none", "launcher=none"])[0]
+    assert split[0] == split[1]  # the last stage's score, on both
+    assert abs(split[0]["val_loss"] - plain["val_loss"]) / plain["val_loss"] < 1e-6, \
+        (split, plain)
+
+
 def test_accumulated_micro_steps_step_as_one_process_does(run_on, tmp_path) -> None:
     """``optim.accumulate: 2`` under pp=2 (one data-parallel rank): each optimiser step
     applies the mean of both micro-steps' gradients, as one process does; within 1e-5
@@ -192,11 +219,11 @@ def test_tp_x_pp_killed_mid_run_resumes_bit_for_bit_and_logs_the_losses_of_one_p
     assert any(r.get("mode") == "val" for r in records(work_dir / "straight"))
 
 
-def _held_body(work_dir: str) -> dict:
-    """On every rank: 2 steps under pp=2; the parts this rank's stage holds, and the losses
-    rank 0 logged."""
+def _held_body(work_dir: str, options: list[str] | None = None) -> dict:
+    """On every rank: 2 steps under pp=2 (and ``options``); the parts this rank's stage holds,
+    and the losses rank 0 logged."""
     cfg = load_config(str(TINYLM), [*SMALL, "strategy.pp=2", "launcher=pytorch",
-                                     f"work_dir={work_dir}"])
+                                     *(options or []), f"work_dir={work_dir}"])
     with Runner.from_cfg(cfg) as runner:
         runner.train()
         held = parts(runner.strategy.unwrap(runner.model))

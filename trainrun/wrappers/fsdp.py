@@ -470,6 +470,15 @@ def _checkpoint_state(module: nn.Module, optimizer: Optimizers | None, flat: boo
                                 {"model": model_state, "optimizer": optim_state})
 
 
+def _held(model: MMFullyShardedDataParallel, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The entries of a whole model's ``state`` that ``model`` holds: under ``pp``, its
+    stage's; otherwise all of them (an entry it lacks is an error then)."""
+    if model.pipeline is None:
+        return state
+    keys = model.module.state_dict().keys()
+    return {key: value for key, value in state.items() if key in keys}
+
+
 def _start_directory(path: str, extra: dict[str, Any]) -> None:
     """Rank 0 creates checkpoint directory ``path`` and writes the runner's ``extra`` in it;
     every rank returns once it exists, ready for its shard."""
@@ -664,7 +673,12 @@ class FSDPStrategy(Strategy):
 
         state = get_model_state_dict(self.unwrap(model), options=StateDictOptions(
             full_state_dict=True))
-        return {key: value.cpu() for key, value in state.items()}  # on every rank
+        state = {key: value.cpu() for key, value in state.items()}  # on every rank
+        if model.pipeline is None:
+            return state
+        stages: list[Any] = [None] * model.pipeline.stages  # every stage's part
+        torch_dist.all_gather_object(stages, state, group=model.pipeline.group)
+        return {key: value for stage in stages for key, value in stage.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load a full state (every rank holds it) into the shards."""
@@ -672,7 +686,7 @@ class FSDPStrategy(Strategy):
             return super().load_model_state_dict(model, state)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.unwrap(model), state,
+        set_model_state_dict(self.unwrap(model), _held(model, state),
                              options=StateDictOptions(full_state_dict=True))
         return None
 
@@ -775,8 +789,14 @@ class FSDPStrategy(Strategy):
         state = load_state_file(path)
         module = self.unwrap(model)
         whole = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(module, state.pop("model"), options=whole)
+        set_model_state_dict(module, _held(model, state.pop("model")), options=whole)
         saved = state.pop("optimizer", None)
+        if optimizer is not None and saved is not None and model.pipeline is not None:
+            raise OptimizerMismatch(
+                f"a checkpoint of strategy {checkpoint_format(path).name!r} holds one optimiser "
+                f"state for the whole model, which strategy.pp does not cut into its stages' "
+                f"parts: start from its weights alone (load_from: {path}, in another "
+                f"work_dir), or resume it without strategy.pp")
         if optimizer is not None and saved is not None:
             named = named_optimizer_state(saved, optimizer_order(optimizer, module))
             try:
