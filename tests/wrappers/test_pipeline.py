@@ -81,12 +81,16 @@ def test_a_model_that_does_not_say_how_it_runs_in_parts_is_refused_naming_what_i
 # ---------------------------------------------------------------- the options, by the dry run
 
 @pytest.mark.parametrize(("config", "options", "says"), [
-    (TINYLM, ["strategy.pp=3"], "strategy.pp 3 x strategy.tp 1 must divide the world size; "
-                                "got 4"),
+    (TINYLM, ["strategy.pp=3", "strategy.pp_microbatches=4"],
+     "strategy.pp 3 x strategy.tp 1 must divide the world size; got 4"),
     (TINYLM, ["strategy.pp=2", "strategy.tp=4"], "strategy.pp 2 x strategy.tp 4 must divide"),
     (TINYLM, ["strategy.pp=0"], "strategy.pp must be a positive int"),
     (TINYLM, ["strategy.pp=2", "strategy.pp_microbatches=1"],
      "strategy.pp_microbatches must be at least pp (2)"),
+    (TINYLM, ["strategy.pp=2", "strategy.pp_microbatches=3"],
+     "strategy.pp_microbatches: 3 microbatches must divide data.train.batch_size; got 32"),
+    (TINYLM, ["strategy.pp=2", "data.train.drop_last=false"],
+     "every training batch must be whole; set data.train.drop_last: true"),
     (TINYLM, ["strategy.pp=2", "strategy.pp_schedule=zigzag"],
      "strategy.pp_schedule must be one of gpipe, 1f1b; got 'zigzag'"),
     (TINYLM, ["strategy.pp=2", "strategy.pp_split=[blocks.7]"],
@@ -97,10 +101,11 @@ def test_a_model_that_does_not_say_how_it_runs_in_parts_is_refused_naming_what_i
                                 "has 2"),
     (TINYLM, ["strategy.pp=2", "strategy.tp=2", "strategy.sequence_parallel=true"],
      "strategy.sequence_parallel does not compose with strategy.pp yet"),
-    (DIGITS, ["strategy.type=fsdp", "strategy.pp=2"],
+    (DIGITS, ["strategy.type=fsdp", "strategy.pp=2", "data.train.drop_last=true"],
      "strategy.pp: 2 cuts the model into 2 stages, but DigitsMLP does not say how"),
 ], ids=["pp does not divide", "pp x tp does not divide", "pp zero", "too few microbatches",
-        "unknown schedule", "no such part", "too many cuts", "too few blocks",
+        "microbatches do not divide the batch", "a smaller last batch", "unknown schedule",
+        "no such part", "too many cuts", "too few blocks",
         "with sequence parallelism", "a model without the protocol"])
 def test_a_bad_pp_setting_is_refused_by_the_dry_run(capsys, config, options, says) -> None:
     assert says in dry_run_error(capsys, config, options)

@@ -103,14 +103,15 @@ def test_a_hugging_face_llama_uses_its_own_plan_and_logs_the_losses_of_ddp(tmp_p
 
 
 @SOURCES
-@pytest.mark.parametrize("options", [["strategy.tp=1"], ["strategy.tp=2"]],
-                         ids=["plain fsdp", "tp=2"])
+@pytest.mark.parametrize("options", [["strategy.tp=1"], ["strategy.tp=2"], ["strategy.pp=2"]],
+                         ids=["plain fsdp", "tp=2", "pp=2"])
 def test_a_split_checkpoint_resumes_on_two_processes_under_another_mesh(parallel_runs, tmp_path,
                                                                         source, options) -> None:
     """The step-20 checkpoint of 4 processes (2 data-parallel x 2 tensor-parallel, or x 2
-    pipeline stages) resumes on 2: as plain fsdp (2 data-parallel ranks: the same batches) and
-    as tp=2 (1 data-parallel rank of twice the batch). DCP reshards across the meshes."""
-    batch = ["data.train.batch_size=64"] if options == ["strategy.tp=2"] else []
+    pipeline stages) resumes on 2: as plain fsdp (2 data-parallel ranks: the same batches),
+    and as tp=2 or pp=2 (1 data-parallel rank of twice the batch). DCP reshards across the
+    meshes; a stage takes its part of a checkpoint written without stages."""
+    batch = [] if options == ["strategy.tp=1"] else ["data.train.batch_size=64"]
     work_dir = tmp_path / "resumed"
     done = run(torchrun(str(TINYLM), "--launcher", "pytorch", "--work-dir", str(work_dir),
                         "--resume", str(parallel_runs[source] / "checkpoints" / "iter_20.pth"),

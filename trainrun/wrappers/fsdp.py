@@ -130,6 +130,20 @@ def check_pipeline(pp: int, split: Any, microbatches: Any, schedule: Any,
                          "of them")
 
 
+def check_pipeline_batches(train: Mapping[str, Any] | None, microbatches: int) -> None:
+    """Refuse training batches the pipeline cannot take: its shapes are fixed at the first
+    step, so every batch must be whole (``drop_last``), and cut evenly into the microbatches."""
+    if not train:
+        return
+    batch = train.get("batch_size")
+    if isinstance(batch, int) and batch % microbatches:
+        raise ValueError(f"strategy.pp_microbatches: {microbatches} microbatches must divide "
+                         f"data.train.batch_size; got {batch}")
+    if not train.get("drop_last", False):
+        raise ValueError("strategy.pp fixes the pipeline's shapes at its first step: every "
+                         "training batch must be whole; set data.train.drop_last: true")
+
+
 NO_UNITS = ("strategy.activation_checkpointing checkpoints the shard units: name them with "
             "strategy.wrap (classes or min_params)")
 
@@ -590,6 +604,9 @@ class FSDPStrategy(Strategy):
         check_sequence_parallel(options["sequence_parallel"], options["tp"])
         check_pipeline(options["pp"], options["pp_split"], options["pp_microbatches"],
                        options["pp_schedule"], options["sequence_parallel"])
+        if options["pp"] > 1:
+            check_pipeline_batches((cfg.get("data") or {}).get("train"),
+                                   options["pp_microbatches"] or options["pp"])
         if options["activation_checkpointing"] and not options["wrap"]:
             raise ValueError(NO_UNITS)
         if options["tp_plan"] is not None:
@@ -806,6 +823,32 @@ class FSDPStrategy(Strategy):
                                         f"optimiser ({error}): {OPTIMIZER_MISMATCH_HINT}") from None
         return state
 
+    def _load_into_stage(self, path: str, model: nn.Module,
+                         optimizer: Optimizers | None) -> dict[str, Any]:
+        """Restore this pipeline stage from a checkpoint written without ``pp`` (its optimiser
+        state by group, not by parameter), read whole on every rank: the stage keeps its
+        parameters and their optimiser state, cut to its shards. Returns the runner's state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = FORMATS[self.FORMAT].read_state(Path(path))
+        module = self.unwrap(model)
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(module, _held(model, state["model"]), options=whole)
+        saved = state.get("optimizer")
+        if optimizer is not None and saved is not None:
+            try:
+                cut = model.pipeline.stage_optimizer_state(
+                    saved, optimizer_order(optimizer, module))
+                set_optimizer_state_dict(module, optimizer, cut, options=whole)
+            except (KeyError, ValueError) as error:
+                raise OptimizerMismatch(f"its optimiser state does not fit this run's "
+                                        f"optimiser ({error}): {OPTIMIZER_MISMATCH_HINT}") from None
+        return FORMATS[self.FORMAT].read_train_state(Path(path))
+
     def optimizer_groups(self, optimizer: Optimizers | None) -> Groups | None:
         """None under ``pp``: a stage's optimiser holds its part of the model's parameters,
         and its checkpoint records options per parameter, not groups, to check against."""
@@ -829,6 +872,8 @@ class FSDPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         flat = flat_optimizer_state(check_metadata(path))
+        if self._sharded(model) and model.pipeline is not None and not flat:
+            return self._load_into_stage(path, model, optimizer)
         module = self.unwrap(model)
         state, made_whole = _checkpoint_state(module, optimizer, flat)
         try:

@@ -212,6 +212,8 @@ class Pipeline:
         self.device = device
         module.forward = module.pp_forward  # what the stage calls on its input
         self._tied, self._tie_group = self._ties(mesh, shared)
+        # this stage's name of each parameter -> the whole model's (a tied one's first name)
+        self.whole_names = {name: names[0] for names in shared for name in names}
         self._batch: Any = None
         self._log_vars: list[dict[str, Tensor]] = []
         self._scale = 1.0
@@ -260,6 +262,24 @@ class Pipeline:
             if self.is_last else None
         self.schedule.step(*args, target=index, losses=[] if self.is_last else None)
         self._batch = None
+
+    def stage_optimizer_state(self, saved: Mapping[str, Any],
+                              order: list[list[str]]) -> dict[str, Any]:
+        """A whole model's optimiser state by name (``{'state', 'param_groups'}``, as a run
+        without ``pp`` saves it), cut to this stage's optimiser: each parameter's state, and
+        each group's options from the saved group that held its first parameter.
+
+        Args:
+            saved: the whole model's state, parameters by name.
+            order: this stage's optimiser's parameter names, group by group.
+        """
+        whole = {name: self.whole_names.get(name, name) for group in order for name in group}
+        options = {name: {key: value for key, value in group.items() if key != "params"}
+                   for group in saved["param_groups"] for name in group["params"]}
+        return {"state": {name: saved["state"][whole[name]] for name in whole
+                          if whole[name] in saved["state"]},
+                "param_groups": [{**options[whole[names[0]]], "params": names}
+                                 for names in order if names]}
 
     def _from_last(self, value: Any) -> Any:
         """``value`` of the last stage, on every stage of the pipeline."""
