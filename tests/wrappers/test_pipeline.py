@@ -92,11 +92,19 @@ def test_a_model_that_does_not_say_how_it_runs_in_parts_is_refused_naming_what_i
     (TINYLM, ["strategy.pp=2", "data.train.drop_last=false"],
      "every training batch must be whole; set data.train.drop_last: true"),
     (TINYLM, ["strategy.pp=2", "strategy.pp_schedule=zigzag"],
-     "strategy.pp_schedule must be one of gpipe, 1f1b; got 'zigzag'"),
+     "strategy.pp_schedule must be one of gpipe, 1f1b, interleaved_1f1b; got 'zigzag'"),
+    (TINYLM, ["strategy.pp=2", "strategy.pp_virtual_stages=2"],
+     "strategy.pp_virtual_stages: several stages a rank (2 or more) go with pp_schedule "
+     "interleaved_1f1b, one with gpipe or 1f1b; got 2 under 1f1b"),
+    (TINYLM, ["strategy.pp=2", "strategy.pp_schedule=interleaved_1f1b"],
+     "got 1 under interleaved_1f1b"),
+    (TINYLM, ["strategy.pp=2", "strategy.pp_schedule=interleaved_1f1b",
+              "strategy.pp_virtual_stages=2"],
+     "strategy.pp: 4 stages need at least 4 blocks; TinyLM.blocks has 2"),
     (TINYLM, ["strategy.pp=2", "strategy.pp_split=[blocks.7]"],
      "strategy.pp_split: the model has no part 'blocks.7'; its parts in order: token_emb, "),
     (TINYLM, ["strategy.pp=2", "strategy.pp_split=[blocks.1,ln_f]"],
-     "strategy.pp_split names where stages 2 to 2 begin: 1 name(s) for pp 2; got 2"),
+     "strategy.pp_split names where stages 2 to 2 begin: 1 name(s) for 2 stages; got 2"),
     (TINYLM, ["strategy.pp=4"], "strategy.pp: 4 stages need at least 4 blocks; TinyLM.blocks "
                                 "has 2"),
     (TINYLM, ["strategy.pp=2", "strategy.tp=2", "strategy.sequence_parallel=true"],
@@ -105,6 +113,8 @@ def test_a_model_that_does_not_say_how_it_runs_in_parts_is_refused_naming_what_i
      "strategy.pp: 2 cuts the model into 2 stages, but DigitsMLP does not say how"),
 ], ids=["pp does not divide", "pp x tp does not divide", "pp zero", "too few microbatches",
         "microbatches do not divide the batch", "a smaller last batch", "unknown schedule",
+        "virtual stages without interleaving", "interleaving one stage a rank",
+        "too few blocks for the virtual stages",
         "no such part", "too many cuts", "too few blocks",
         "with sequence parallelism", "a model without the protocol"])
 def test_a_bad_pp_setting_is_refused_by_the_dry_run(capsys, config, options, says) -> None:
@@ -121,17 +131,53 @@ def test_the_plan_counts_the_stages_and_the_data_parallel_ranks(capsys) -> None:
     assert "the activations of up to 4 microbatches in flight on the first stage (gpipe" in out
 
 
-def test_the_plan_is_what_the_largest_stage_holds(run_on, tmp_path) -> None:
-    """Two stages, one rank each: the plan is the stage that holds most (the first: its
-    block, the tied token embedding and the position embedding; the last holds a block, the
-    final norm and the tied head), exactly."""
-    options = [*SMALL, "strategy.pp=2", "launcher=pytorch"]
+INTERLEAVED = ["model.n_layer=4", "strategy.pp=2", "strategy.pp_schedule=interleaved_1f1b",
+               "strategy.pp_virtual_stages=2", "strategy.pp_microbatches=4"]
+
+
+@pytest.mark.parametrize("options", [["strategy.pp=2"], INTERLEAVED],
+                         ids=["1f1b", "interleaved"])
+def test_the_plan_is_what_the_largest_stage_holds(run_on, tmp_path, options) -> None:
+    """Two ranks of a pipeline: the plan is the rank that holds most (the first: the tied
+    token embedding and the position embedding beside its blocks; the last holds the final
+    norm and the tied head beside its own), exactly; one stage a rank, or two (4 blocks,
+    interleaved: rank 0 holds stages 1 and 3)."""
+    options = [*SMALL, *options, "launcher=pytorch"]
     results = run_on(2)(plan_and_measure, str(TINYLM), options, str(tmp_path / "run"))
     planned = results[0][0]
     for kind in KINDS:
         held = [measured[kind] for _, measured in results]
         assert held[0] > held[1] > 0, (kind, results)
         assert planned[kind] == held[0], (kind, results)
+
+
+def _interleaved_body(work_dir: str, options: list[str], resume: str | None = None
+                      ) -> dict[int, float]:
+    """6 steps of a 4-block tinylm, a checkpoint every 3, under ``options`` (from ``resume``
+    where given); rank 0's logged losses."""
+    cfg = load_config(str(TINYLM), [*SMALL, "model.n_layer=4", "schedule.max_iters=6",
+                                     "checkpoint.interval=3", *options, f"work_dir={work_dir}",
+                                     *([f"resume={resume}"] if resume else [])])
+    with Runner.from_cfg(cfg) as runner:
+        runner.train()
+        rank = runner.rank
+    return losses(work_dir) if rank == 0 else {}
+
+
+def test_an_interleaved_pipeline_logs_the_losses_of_one_process_and_resumes_exactly(
+        run_on, tmp_path) -> None:
+    """pp=2 with 2 stages a rank (interleaved_1f1b) on 2 ranks: the losses of one process on
+    the same batches within 1e-6 (measured: 2e-7), and resumed from its step-3 checkpoint,
+    steps 4-6 bit for bit."""
+    plain = run_on(1)(_interleaved_body, str(tmp_path / "one"),
+                      ["strategy.type=none", "launcher=none"])[0]
+    options = [*INTERLEAVED[1:], "launcher=pytorch"]
+    split = run_on(2)(_interleaved_body, str(tmp_path / "pp"), options)[0]
+    assert sorted(split) == sorted(plain) == list(range(1, 7))
+    assert all(abs(split[s] - plain[s]) / plain[s] < 1e-6 for s in split), (split, plain)
+    checkpoint = str(tmp_path / "pp" / "checkpoints" / "iter_3.pth")
+    resumed = run_on(2)(_interleaved_body, str(tmp_path / "resumed"), options, checkpoint)[0]
+    assert resumed == {s: split[s] for s in (4, 5, 6)}
 
 
 def _accumulating_body(work_dir: str, options: list[str]) -> list[dict]:

@@ -10,6 +10,7 @@ ranks resumes on 3.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -47,6 +48,8 @@ from trainrun.wrappers.pipeline import (
     check_pp,
     check_protocol,
     cut,
+    held_parts,
+    rank_stages,
     shared_parameters,
 )
 from trainrun.wrappers.tensor_parallel import (
@@ -120,10 +123,12 @@ def check_tp(tp: Any, world: int | None = None) -> None:
 
 
 def check_pipeline(pp: int, split: Any, microbatches: Any, schedule: Any,
-                   sequence_parallel: bool, world: int | None = None, tp: int = 1) -> None:
+                   sequence_parallel: bool, world: int | None = None, tp: int = 1,
+                   virtual: Any = 1) -> None:
     """Refuse pipeline options of the wrong kind (`check_pp`), and sequence parallelism with
     them: a stage would hand the next one its part of the sequence only."""
-    check_pp(pp, pp if microbatches is None else microbatches, schedule, split, world, tp)
+    check_pp(pp, pp if microbatches is None else microbatches, schedule, split, world, tp,
+             virtual)
     if pp > 1 and sequence_parallel:
         raise ValueError("strategy.sequence_parallel does not compose with strategy.pp yet: a "
                          "stage would hand the next only its part of the sequence; set one "
@@ -274,41 +279,71 @@ def _gathered_note(model: nn.Module, options: Mapping[str, Any]) -> str:
 
 
 def stage_specs(model: nn.Module, specs: Sequence[ParamSpec], pp: int,
-                split: Sequence[str] | None) -> list[list[ParamSpec]]:
-    """The parameters each of ``pp`` pipeline stages holds (one shared by two stages, as a
-    tied embedding, on both), cut from a copy of ``model`` (built on the meta device)."""
-    import copy
-
+                split: Sequence[str] | None, virtual: int = 1) -> list[list[ParamSpec]]:
+    """The parameters each of the ``pp`` ranks of a pipeline holds: its stage's (its
+    ``virtual`` stages' under an interleaved schedule), one shared by two stages (a tied
+    embedding) on both; cut from copies of ``model`` (built on the meta device)."""
     check_protocol(model, pp)
     first = {}  # every name of a parameter -> the name its spec has (its first)
     for names in [[name] for name, _ in model.named_parameters()] + shared_parameters(model):
         first.update(dict.fromkeys(names, names[0]))
     by_name = {spec.name: spec for spec in specs}
-    stages = []
-    for stage in range(pp):
-        part = copy.deepcopy(model)
-        cut(part, pp, stage, split)
-        held = dict.fromkeys(first[name] for name, _ in
-                             part.named_parameters(remove_duplicate=False))
-        stages.append([by_name[name] for name in held])
-    return stages
+    ranks = []
+    for rank in range(pp):
+        held: dict[str, None] = {}
+        for stage in range(rank, pp * virtual, pp):
+            part = copy.deepcopy(model)
+            cut(part, pp * virtual, stage, split)
+            held.update(dict.fromkeys(first[name] for name, _ in
+                                      part.named_parameters(remove_duplicate=False)))
+        ranks.append([by_name[name] for name in held])
+    return ranks
 
 
 def _pipeline_note(plans: list[StateBytes], plan: StateBytes, options: Mapping[str, Any],
                    staged: bool) -> str:
     """What the memory plan says of the pipeline: which stage the figures are, and the
     activations in flight it leaves out."""
-    pp, schedule = options["pp"], options["pp_schedule"]
+    pp, schedule, virtual = options["pp"], options["pp_schedule"], options["pp_virtual_stages"]
     microbatches = options["pp_microbatches"] or pp
-    held = microbatches if schedule == "gpipe" else min(pp, microbatches)
+    held = min(pp, microbatches) if schedule == "1f1b" else microbatches
+    what = f"pipeline of {pp} stages (strategy.pp)" if virtual == 1 else \
+        f"pipeline of {pp * virtual} stages on {pp} ranks (strategy.pp, pp_virtual_stages)"
+    each = "stage" if virtual == 1 else "rank"
     if not staged:
-        where = f"pipeline of {pp} stages (strategy.pp): the figures are the whole model's"
+        where = f"{what}: the figures are the whole model's"
     else:
-        totals = ", ".join(human(each.total) for each in plans)
-        where = (f"pipeline of {pp} stages (strategy.pp): the figures are stage "
-                 f"{plans.index(plan) + 1}'s, the largest (stages: {totals})")
+        totals = ", ".join(human(one.total) for one in plans)
+        where = (f"{what}: the figures are {each} {plans.index(plan) + 1}'s, the largest "
+                 f"({each}s: {totals})")
     return (f"{where}; not in the total: the activations of up to {held} microbatches in "
             f"flight on the first stage ({schedule}, {microbatches} microbatches)")
+
+
+def _shard(module: nn.Module, wrap: dict[str, Any] | None, plan: dict[str, str] | None,
+           mesh: DeviceMesh, sequence_parallel: bool, activation_checkpointing: bool,
+           compile: dict[str, Any] | None, kwargs: dict[str, Any]) -> list[nn.Module]:
+    """Shard ``module`` (the model, or one pipeline stage of it) in place: its units, split by
+    the tensor-parallel ``plan`` (where given), checkpointed, compiled, then ``fully_shard``
+    with ``kwargs``, units first. Returns the units."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = shard_units(module, wrap, check=False)
+    if plan is not None:
+        apply_plan(module, held_plan(module, plan), mesh["tp"], sequence_parallel)
+    if activation_checkpointing:
+        if not units:
+            raise ValueError(NO_UNITS)
+        from torch.distributed._composable import checkpoint
+
+        for unit in units:
+            checkpoint(unit)
+    if compile is not None:
+        compile_units(module, units, compile)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    return units
 
 
 def compile_units(model: nn.Module, units: list[nn.Module], options: dict[str, Any]) -> None:
@@ -370,8 +405,11 @@ class MMFullyShardedDataParallel(nn.Module):
             model's blocks, evenly.
         pp_microbatches: the parts each batch is cut into for the pipeline; None: ``pp``.
         pp_schedule: the order the stages run the microbatches in: ``gpipe`` (all forwards,
-            then all backwards) or ``1f1b`` (one forward, one backward, once the pipeline is
-            full: fewer activations held).
+            then all backwards), ``1f1b`` (one forward, one backward, once the pipeline is
+            full: fewer activations held) or ``interleaved_1f1b`` (1f1b over several stages a
+            rank: a smaller bubble).
+        pp_virtual_stages: the stages each rank holds under ``interleaved_1f1b``; 1
+            otherwise.
 
     Raises:
         ValueError: an unknown sharding, dtype name or wrap key, a class ``wrap`` names that
@@ -388,32 +426,27 @@ class MMFullyShardedDataParallel(nn.Module):
                  compile: dict[str, Any] | None = None, tp: int = 1,
                  tp_plan: dict[str, str] | None = None, sequence_parallel: bool = False,
                  pp: int = 1, pp_split: list[str] | None = None,
-                 pp_microbatches: int | None = None, pp_schedule: str = "1f1b"):
+                 pp_microbatches: int | None = None, pp_schedule: str = "1f1b",
+                 pp_virtual_stages: int = 1):
         super().__init__()
         check_sharding(sharding)
         check_sequence_parallel(sequence_parallel, tp)
-        check_pipeline(pp, pp_split, pp_microbatches, pp_schedule, sequence_parallel)
+        check_pipeline(pp, pp_split, pp_microbatches, pp_schedule, sequence_parallel,
+                       virtual=pp_virtual_stages)
         device = device or next(module.parameters()).device
         shard_units(module, wrap)  # (the whole model has the classes wrap names)
         mesh = device_mesh(sharding, device, hybrid_shard_size, tp, pp)
         plan = model_plan(module, tp_plan, tp, sequence_parallel) if tp > 1 else None
         shared = shared_parameters(module)
+        chunks = [module]  # what is sharded: the model, or each stage this rank holds
         if pp > 1:
             check_protocol(module, pp)
-            cut(module, pp, mesh["pp"].get_local_rank(), pp_split)
-        units = shard_units(module, wrap, check=False)
-        if plan is not None:
-            apply_plan(module, held_plan(module, plan), mesh["tp"], sequence_parallel)
-        if activation_checkpointing:
-            if not units:
-                raise ValueError(NO_UNITS)
-            from torch.distributed._composable import checkpoint
-
-            for unit in units:
-                checkpoint(unit)
-        if compile is not None:
-            compile_units(module, units, compile)
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+            stages = rank_stages(mesh, pp_virtual_stages)
+            chunks = [module] if len(stages) == 1 else \
+                [copy.deepcopy(module) for _ in stages]
+            for chunk, stage in zip(chunks, stages, strict=True):
+                cut(chunk, pp * pp_virtual_stages, stage, pp_split)
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
         kwargs: dict[str, Any] = {
             "mesh": data_mesh(mesh),
@@ -424,14 +457,14 @@ class MMFullyShardedDataParallel(nn.Module):
             kwargs["shard_placement_fn"] = _data_parallel_placement
         if cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(module, **kwargs)
-        self.module = module
-        self.units = units
+        self.units = [unit for chunk in chunks for unit in _shard(
+            chunk, wrap, plan, mesh, sequence_parallel, activation_checkpointing, compile,
+            kwargs)]
+        self.roots = chunks  # the fully_shard roots
+        self.module = chunks[0] if len(chunks) == 1 else held_parts(module, chunks)
         self.mesh = mesh
-        self.pipeline = Pipeline(module, mesh, pp_microbatches or pp, pp_schedule, shared,
-                                 device) if pp > 1 else None
+        self.pipeline = Pipeline(self.module, chunks, mesh, pp_microbatches or pp, pp_schedule,
+                                 shared, device) if pp > 1 else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -439,11 +472,13 @@ class MMFullyShardedDataParallel(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without reducing them (micro-steps that do not step)."""
-        self.module.set_requires_gradient_sync(False)
+        for root in self.roots:
+            root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
+            for root in self.roots:
+                root.set_requires_gradient_sync(True)
 
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, Tensor]:
         if self.pipeline is not None:
@@ -541,7 +576,9 @@ class FSDPStrategy(Strategy):
         pp_split: the names of the parts where stages 2, 3, ... begin; None: between the
             model's blocks, evenly.
         pp_microbatches: the parts each batch is cut into; None: ``pp``.
-        pp_schedule: ``gpipe`` or ``1f1b``.
+        pp_schedule: ``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (several stages a rank).
+        pp_virtual_stages: the stages each rank holds under ``interleaved_1f1b`` (``pp`` x it
+            in all; rank ``r`` holds stages ``r``, ``r + pp``, ...); 1 otherwise.
     """
 
     name = "fsdp"
@@ -567,6 +604,7 @@ class FSDPStrategy(Strategy):
         "pp_split": None,
         "pp_microbatches": None,
         "pp_schedule": "1f1b",
+        "pp_virtual_stages": 1,
     }
     ACCEPTS = {
         "sharding": f"one of {', '.join(SHARDINGS)}",
@@ -582,7 +620,8 @@ class FSDPStrategy(Strategy):
         "pp": "a positive int; pp x tp divides the world size",
         "pp_split": "null or a list of pp - 1 module names (where stages 2, 3, ... begin)",
         "pp_microbatches": "null (pp) or an int, at least pp, that divides the batch",
-        "pp_schedule": "gpipe or 1f1b",
+        "pp_schedule": "gpipe, 1f1b or interleaved_1f1b",
+        "pp_virtual_stages": "1, or 2 or more under interleaved_1f1b",
     }
 
     def __init__(self, **options: Any):
@@ -603,7 +642,8 @@ class FSDPStrategy(Strategy):
         check_tp(options["tp"])
         check_sequence_parallel(options["sequence_parallel"], options["tp"])
         check_pipeline(options["pp"], options["pp_split"], options["pp_microbatches"],
-                       options["pp_schedule"], options["sequence_parallel"])
+                       options["pp_schedule"], options["sequence_parallel"],
+                       virtual=options["pp_virtual_stages"])
         if options["pp"] > 1:
             check_pipeline_batches((cfg.get("data") or {}).get("train"),
                                    options["pp_microbatches"] or options["pp"])
@@ -634,12 +674,14 @@ class FSDPStrategy(Strategy):
         tp, pp = options["tp"], options["pp"]
         check_tp(tp, world_size)
         check_pipeline(pp, options["pp_split"], options["pp_microbatches"],
-                       options["pp_schedule"], options["sequence_parallel"], world_size, tp)
+                       options["pp_schedule"], options["sequence_parallel"], world_size, tp,
+                       options["pp_virtual_stages"])
         split = split_shapes(model, model_plan(model, options["tp_plan"], tp,
                                                options["sequence_parallel"]), tp) \
             if tp > 1 and model is not None else {}
         size, how = _shard_group(options, world_size // (tp * pp))
-        stages = stage_specs(model, specs, pp, options["pp_split"]) \
+        stages = stage_specs(model, specs, pp, options["pp_split"],
+                             options["pp_virtual_stages"]) \
             if pp > 1 and model is not None else [specs]
         plans = [replicated(held, lambda spec: _shard_numel(split.get(spec.name, spec.shape),
                                                             size) * spec.itemsize,
@@ -668,7 +710,8 @@ class FSDPStrategy(Strategy):
             check_tp(self.options["tp"], 1)
             check_pipeline(self.options["pp"], self.options["pp_split"],
                            self.options["pp_microbatches"], self.options["pp_schedule"],
-                           self.options["sequence_parallel"], world=1)
+                           self.options["sequence_parallel"], world=1,
+                           virtual=self.options["pp_virtual_stages"])
             log.info("strategy 'fsdp' in a single process: the model is not sharded")
             if self.compile_options is not None:
                 compile_units(model, shard_units(model, self.options["wrap"]),
@@ -693,7 +736,7 @@ class FSDPStrategy(Strategy):
         state = {key: value.cpu() for key, value in state.items()}  # on every rank
         if model.pipeline is None:
             return state
-        stages: list[Any] = [None] * model.pipeline.stages  # every stage's part
+        stages: list[Any] = [None] * len(model.pipeline.ranks)  # every stage's part
         torch_dist.all_gather_object(stages, state, group=model.pipeline.group)
         return {key: value for stage in stages for key, value in stage.items()}
 
@@ -711,7 +754,7 @@ class FSDPStrategy(Strategy):
         """The model's parameters (DTensors), every unit resharded first: the root unit keeps
         its parameters gathered after a forward without backward (validation), and a gathered
         copy would not see what is written into the shards."""
-        for unit in (*model.units, model.module):
+        for unit in (*model.units, *model.roots):
             unit.reshard()
         return dict(self.unwrap(model).named_parameters())
 
@@ -740,7 +783,7 @@ class FSDPStrategy(Strategy):
                  for name, shard in shards.items()}
         if model.pipeline is None:
             return whole
-        stages: list[Any] = [None] * model.pipeline.stages
+        stages: list[Any] = [None] * len(model.pipeline.ranks)
         torch_dist.all_gather_object(stages, whole, group=model.pipeline.group)
         return {name: tensor for stage in stages for name, tensor in stage.items()}
 

@@ -1,5 +1,6 @@
 """Pipeline parallelism for strategy 'fsdp' (``strategy.pp``): the model cut into stages, one
-a rank, run through ``torch.distributed.pipelining``'s schedules.
+a rank (or several, under ``interleaved_1f1b``), run through ``torch.distributed.pipelining``'s
+schedules.
 
 A model that can be cut says how its forward runs in three steps, and says which of its
 children are its repeated blocks:
@@ -21,7 +22,9 @@ The model's parts in order are its children as registered, with the blocks one b
 None, and the blocks child keeps the stage's blocks under their own names, so state dicts
 keep the plain model's keys and checkpoints reshard to any other mesh. Parameters shared by
 two stages (tied embeddings) are kept on both, and their gradients are summed between them
-before the optimiser steps, so both copies stay equal.
+before the optimiser steps, so both copies stay equal. A rank holding several stages holds
+each as a module of its own (each a ``fully_shard`` root), and their parts together under the
+model's names (`held_parts`) for the optimiser and checkpoints.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from trainrun.wrappers.base_model import parse_losses
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # what one stage hands the next in validation: its output's dtype (by index) and shape first
 SENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 HEADER = 10
@@ -51,7 +54,7 @@ NO_PROTOCOL = ("strategy.pp: {pp} cuts the model into {pp} stages, but {name} do
 
 
 def check_pp(pp: Any, microbatches: Any, schedule: Any, split: Any,
-             world: int | None = None, tp: int = 1) -> None:
+             world: int | None = None, tp: int = 1, virtual: Any = 1) -> None:
     """Refuse pipeline options of the wrong kind, or a ``pp`` x ``tp`` that does not divide
     ``world`` (where known).
 
@@ -63,6 +66,8 @@ def check_pp(pp: Any, microbatches: Any, schedule: Any, split: Any,
             begin.
         world: the world size, where known.
         tp: ``strategy.tp``, the tensor-parallel ranks.
+        virtual: ``strategy.pp_virtual_stages``, the stages each rank holds (``pp`` x it in
+            all); above 1 only under ``interleaved_1f1b``, which needs 2 or more.
     """
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"strategy.pp must be a positive int (the pipeline stages); got {pp!r}")
@@ -72,14 +77,22 @@ def check_pp(pp: Any, microbatches: Any, schedule: Any, split: Any,
     if schedule not in SCHEDULES:
         raise ValueError(f"strategy.pp_schedule must be one of {', '.join(SCHEDULES)}; got "
                          f"{schedule!r}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"strategy.pp_virtual_stages must be a positive int (the stages each "
+                         f"rank holds); got {virtual!r}")
+    if (schedule == "interleaved_1f1b") != (virtual > 1):
+        raise ValueError(f"strategy.pp_virtual_stages: several stages a rank (2 or more) go "
+                         f"with pp_schedule interleaved_1f1b, one with gpipe or 1f1b; got "
+                         f"{virtual} under {schedule}")
+    stages = pp * virtual
     if split is not None:
         if not isinstance(split, Sequence) or isinstance(split, str) or \
                 not all(isinstance(name, str) for name in split):
             raise ValueError(f"strategy.pp_split must be null or a list of module names (where "
                              f"stages 2, 3, ... begin); got {split!r}")
-        if len(split) != pp - 1:
-            raise ValueError(f"strategy.pp_split names where stages 2 to {pp} begin: {pp - 1} "
-                             f"name(s) for pp {pp}; got {len(split)}")
+        if len(split) != stages - 1:
+            raise ValueError(f"strategy.pp_split names where stages 2 to {stages} begin: "
+                             f"{stages - 1} name(s) for {stages} stages; got {len(split)}")
     if pp > 1 and microbatches < pp:
         raise ValueError(f"strategy.pp_microbatches must be at least pp ({pp}), so that every "
                          f"stage has work while the pipeline is full; got {microbatches}")
@@ -186,12 +199,41 @@ def _take(batch: Any, index: Tensor) -> Any:
     return batch
 
 
+def rank_stages(mesh: DeviceMesh, virtual: int) -> list[int]:
+    """The stages this rank holds, in order: with ``pp`` ranks in the pipeline, stage ``i`` is
+    on its rank ``i % pp`` (``virtual`` of them each)."""
+    pp = mesh["pp"].size()
+    return [mesh["pp"].get_local_rank() + k * pp for k in range(virtual)]
+
+
+def held_parts(whole: nn.Module, chunks: Sequence[nn.Module]) -> nn.Module:
+    """One module holding the parts of several stages of ``whole`` (``chunks``, each `cut`),
+    under the whole model's names: what a rank of an interleaved pipeline saves, loads and
+    optimises. Its parts are the chunks' own (shared, not copied)."""
+    held = nn.Module()
+    blocks = OrderedDict((key, block) for chunk in chunks
+                         for key, block in getattr(chunk, whole.pp_blocks).named_children())
+    for name, _ in whole.named_children():
+        if name == whole.pp_blocks:
+            held.add_module(name, nn.Sequential(OrderedDict(
+                sorted(blocks.items(), key=lambda item: parts(whole).index(
+                    f"{name}.{item[0]}")))))
+            continue
+        owner = [getattr(chunk, name) for chunk in chunks if getattr(chunk, name) is not None]
+        held.add_module(name, owner[0] if owner else None)
+    return held
+
+
 class Pipeline:
-    """One rank's stage of a model cut by ``strategy.pp``, and the schedule that runs it.
+    """One rank's stages of a model cut by ``strategy.pp``, and the schedule that runs them.
 
     Args:
-        module: the model, already cut to this rank's stage (`cut`), sharded or not; its
-            ``forward`` becomes ``pp_forward``, which the stage calls.
+        module: what the rank holds of the model, under the model's names: its one stage
+            (`cut`), or the stages' parts together (`held_parts`) under an interleaved
+            schedule; what is optimised, saved and loaded.
+        chunks: the rank's stages (`cut`), in order, each sharded by ``fully_shard``
+            (``[module]`` with one stage); each one's ``forward`` becomes ``pp_forward``,
+            which its stage calls.
         mesh: the job's device mesh, with a ``pp`` dimension.
         microbatches: the parts each batch is cut into.
         schedule: one of ``SCHEDULES``.
@@ -199,18 +241,27 @@ class Pipeline:
         device: this rank's device.
     """
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, microbatches: int, schedule: str,
-                 shared: list[list[str]], device: torch.device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    def __init__(self, module: nn.Module, chunks: Sequence[nn.Module], mesh: DeviceMesh,
+                 microbatches: int, schedule: str, shared: list[list[str]],
+                 device: torch.device):
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
-        self.module = module
+        self.module, self.chunks = module, list(chunks)
         self.group = mesh["pp"].get_group()
-        self.stage = mesh["pp"].get_local_rank()
-        self.stages = mesh["pp"].size()
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
+        self.stage = mesh["pp"].get_local_rank()  # this rank's place in its pipeline
         self.ranks = torch_dist.get_process_group_ranks(self.group)
+        self.held = rank_stages(mesh, len(self.chunks))  # the stages it holds
+        self.stages = len(self.ranks) * len(self.chunks)  # the pipeline's stages in all
+        self.is_first, self.is_last = self.held[0] == 0, self.held[-1] == self.stages - 1
         self.device = device
-        module.forward = module.pp_forward  # what the stage calls on its input
+        self.methods = self.chunks[0]  # the model's pp_inputs and pp_outputs
+        for chunk in self.chunks:
+            chunk.forward = chunk.pp_forward  # what the stage calls on its input
         self._tied, self._tie_group = self._ties(mesh, shared)
         # this stage's name of each parameter -> the whole model's (a tied one's first name)
         self.whole_names = {name: names[0] for names in shared for name in names}
@@ -218,9 +269,11 @@ class Pipeline:
         self._log_vars: list[dict[str, Tensor]] = []
         self._scale = 1.0
         self.microbatches = microbatches
-        made = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = made(PipelineStage(module, self.stage, self.stages, device,
-                                           group=self.group),
+        stages = [PipelineStage(chunk, index, self.stages, device, group=self.group)
+                  for chunk, index in zip(self.chunks, self.held, strict=True)]
+        made = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
+        self.schedule = made(stages if schedule == "interleaved_1f1b" else stages[0],
                              n_microbatches=microbatches, loss_fn=self._loss,
                              scale_grads=False)  # (the loss is divided instead: `_loss`)
 
@@ -249,7 +302,7 @@ class Pipeline:
         its values kept for logging; divided by the microbatches and the accumulated
         micro-steps, so that the gradients add up to those of the batches' mean loss. (The
         schedule's own division would divide the gradients accumulated before as well.)"""
-        losses = self.module.pp_outputs(outputs, _take(self._batch, index), "loss")
+        losses = self.methods.pp_outputs(outputs, _take(self._batch, index), "loss")
         loss, log_vars = parse_losses(losses)
         self._log_vars.append({key: value.detach() for key, value in log_vars.items()})
         return loss * self._scale
@@ -257,8 +310,8 @@ class Pipeline:
     def _run(self, batch: Any) -> None:
         """One pass of the schedule over ``batch``, forward and backward, microbatched."""
         self._batch, self._log_vars = batch, []
-        args = (self.module.pp_inputs(batch),) if self.is_first else ()
-        index = torch.arange(len(self.module.pp_inputs(batch)), device=self.device) \
+        args = (self.methods.pp_inputs(batch),) if self.is_first else ()
+        index = torch.arange(len(self.methods.pp_inputs(batch)), device=self.device) \
             if self.is_last else None
         self.schedule.step(*args, target=index, losses=[] if self.is_last else None)
         self._batch = None
@@ -336,20 +389,26 @@ class Pipeline:
         return powered ** (1.0 / norm_type)
 
     def predict(self, data: Any, mode: str) -> Any:
-        """``forward(data, mode)`` through the stages, whole batch at once (forward only), on
-        every stage: validation and test batches may be of any size, which the microbatched
-        schedule (its shapes fixed at the first step) does not take."""
-        x = self.module.pp_inputs(data) if self.is_first else self._receive()
-        with torch.no_grad():
-            y = self.module(x)  # (its forward is pp_forward, through the sharding hooks)
+        """``forward(data, mode)`` through the stages in turn, whole batch at once (forward
+        only), on every rank: validation and test batches may be of any size, which the
+        microbatched schedule (its shapes fixed at the first step) does not take."""
+        y = None
+        for index, chunk in zip(self.held, self.chunks, strict=True):
+            x = self.methods.pp_inputs(data) if index == 0 else self._receive()
+            with torch.no_grad():
+                y = chunk(x)  # (its forward is pp_forward, through the sharding hooks)
+            if index < self.stages - 1:
+                self._send(y)
+        for chunk in self.chunks:  # (a forward alone leaves a root's parameters gathered)
+            chunk.reshard()
         if not self.is_last:
-            self._send(y)
             return self._from_last(None)
-        return self._from_last(self.module.pp_outputs(y, data, mode))
+        return self._from_last(self.methods.pp_outputs(y, data, mode))
 
     def _send(self, y: Tensor) -> None:
-        """``y`` to the next stage: its dtype and shape (`HEADER` numbers), then its values."""
-        to = self.ranks[self.stage + 1]
+        """``y`` to the next stage's rank: its dtype and shape (`HEADER` numbers), then its
+        values."""
+        to = self.ranks[(self.stage + 1) % len(self.ranks)]
         header = [SENT_DTYPES.index(y.dtype), y.ndim, *y.shape]
         torch_dist.send(torch.tensor(header + [0] * (HEADER - len(header)), device=y.device),
                         to, group=self.group)
@@ -357,7 +416,7 @@ class Pipeline:
 
     def _receive(self) -> Tensor:
         """The previous stage's output (see `_send`)."""
-        frm = self.ranks[self.stage - 1]
+        frm = self.ranks[(self.stage - 1) % len(self.ranks)]
         header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
         torch_dist.recv(header, frm, group=self.group)
         dtype, ndim, *shape = header.tolist()
