@@ -45,6 +45,7 @@ from trainrun.wrappers.base_model import loss_step
 from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
 from trainrun.wrappers.pipeline import (
     Pipeline,
+    check_model_parallel,
     check_pp,
     check_protocol,
     cut,
@@ -175,9 +176,7 @@ def device_mesh(sharding: str, device: torch.device, shard_size: int | None,
 
     world = get_world_size()
     check_tp(tp, world)
-    if world % (tp * pp):
-        raise ValueError(f"strategy.pp {pp} x strategy.tp {tp} must divide the world size; "
-                         f"got {world} process(es)")
+    check_model_parallel(world, tp, pp)
     data = world // (tp * pp)
     if sharding in ("full", "grad_op"):
         dims = {"dp_shard": data}
@@ -734,11 +733,7 @@ class FSDPStrategy(Strategy):
         state = get_model_state_dict(self.unwrap(model), options=StateDictOptions(
             full_state_dict=True))
         state = {key: value.cpu() for key, value in state.items()}  # on every rank
-        if model.pipeline is None:
-            return state
-        stages: list[Any] = [None] * len(model.pipeline.ranks)  # every stage's part
-        torch_dist.all_gather_object(stages, state, group=model.pipeline.group)
-        return {key: value for stage in stages for key, value in stage.items()}
+        return state if model.pipeline is None else model.pipeline.from_every_stage(state)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load a full state (every rank holds it) into the shards."""
@@ -781,11 +776,7 @@ class FSDPStrategy(Strategy):
                                           params[name].placements, shape=params[name].shape,
                                           stride=params[name].stride()).full_tensor()
                  for name, shard in shards.items()}
-        if model.pipeline is None:
-            return whole
-        stages: list[Any] = [None] * len(model.pipeline.ranks)
-        torch_dist.all_gather_object(stages, whole, group=model.pipeline.group)
-        return {name: tensor for stage in stages for name, tensor in stage.items()}
+        return whole if model.pipeline is None else model.pipeline.from_every_stage(whole)
 
     def shard_params(self, model: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """This rank's shard of each whole tensor, cut as `fully_shard` (and the tp plan) cut

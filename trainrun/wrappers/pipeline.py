@@ -96,7 +96,14 @@ def check_pp(pp: Any, microbatches: Any, schedule: Any, split: Any,
     if pp > 1 and microbatches < pp:
         raise ValueError(f"strategy.pp_microbatches must be at least pp ({pp}), so that every "
                          f"stage has work while the pipeline is full; got {microbatches}")
-    if world is not None and world % (pp * tp):
+    if world is not None:
+        check_model_parallel(world, tp, pp)
+
+
+def check_model_parallel(world: int, tp: int, pp: int) -> None:
+    """Refuse a world size that ``pp`` x ``tp`` (the ranks holding one copy of the model)
+    does not divide."""
+    if world % (pp * tp):
         raise ValueError(f"strategy.pp {pp} x strategy.tp {tp} must divide the world size; got "
                          f"{world} process(es)")
 
@@ -278,8 +285,8 @@ class Pipeline:
                              scale_grads=False)  # (the loss is divided instead: `_loss`)
 
     def _ties(self, mesh: DeviceMesh, shared: list[list[str]]
-              ) -> tuple[list[str], torch_dist.ProcessGroup | None]:
-        """This stage's names of the parameters it shares with another stage, and the group of
+              ) -> tuple[list[nn.Parameter], torch_dist.ProcessGroup | None]:
+        """The parameters this rank shares with another stage, and the group of
         the first and last stage of its pipeline that sums their gradients. Every rank makes
         every pipeline's group, in the same order, as ``new_group`` asks."""
         held = dict(self.module.named_parameters(remove_duplicate=False))
@@ -287,7 +294,7 @@ class Pipeline:
         for names in shared:
             here = [name for name in names if name in held]
             if here and len(here) < len(names):  # some of its names are on another stage
-                tied.append(here[0])
+                tied.append(held[here[0]])
         if not any(shared) or self.stages == 1:
             return tied, None
         group = None
@@ -310,10 +317,10 @@ class Pipeline:
     def _run(self, batch: Any) -> None:
         """One pass of the schedule over ``batch``, forward and backward, microbatched."""
         self._batch, self._log_vars = batch, []
-        args = (self.methods.pp_inputs(batch),) if self.is_first else ()
-        index = torch.arange(len(self.methods.pp_inputs(batch)), device=self.device) \
-            if self.is_last else None
-        self.schedule.step(*args, target=index, losses=[] if self.is_last else None)
+        inputs = self.methods.pp_inputs(batch)
+        index = torch.arange(len(inputs), device=self.device) if self.is_last else None
+        self.schedule.step(*((inputs,) if self.is_first else ()), target=index,
+                           losses=[] if self.is_last else None)
         self._batch = None
 
     def stage_optimizer_state(self, saved: Mapping[str, Any],
@@ -333,6 +340,13 @@ class Pipeline:
                           if whole[name] in saved["state"]},
                 "param_groups": [{**options[whole[names[0]]], "params": names}
                                  for names in order if names]}
+
+    def from_every_stage(self, part: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``part`` (by name, this rank's part of the model) of every rank of
+        the pipeline, merged: a collective over it."""
+        parts: list[Any] = [None] * len(self.ranks)
+        torch_dist.all_gather_object(parts, part, group=self.group)
+        return {key: value for each in parts for key, value in each.items()}
 
     def _from_last(self, value: Any) -> Any:
         """``value`` of the last stage, on every stage of the pipeline."""
@@ -366,9 +380,8 @@ class Pipeline:
         optimiser makes the same step on both copies."""
         if self._tie_group is None:
             return
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        for name in self._tied:
-            grad = params[name].grad
+        for param in self._tied:
+            grad = param.grad
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             torch_dist.all_reduce(local, group=self._tie_group)
 
@@ -381,9 +394,7 @@ class Pipeline:
             return norm
         powered = norm ** norm_type
         if self._tied and not self.is_first:
-            params = dict(self.module.named_parameters(remove_duplicate=False))
-            tied = nn.utils.get_total_norm([params[name].grad for name in self._tied],
-                                           norm_type)
+            tied = nn.utils.get_total_norm([param.grad for param in self._tied], norm_type)
             powered = powered - _whole(tied) ** norm_type
         torch_dist.all_reduce(powered, group=self.group)
         return powered ** (1.0 / norm_type)
