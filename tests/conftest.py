@@ -19,6 +19,19 @@ pytest_plugins = ["tests.runs"]  # the shared runs' fixtures, and the hook that 
 WORLD_SIZES = (1, 2, 3)  # 1: a plain process that never joined a group
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Write the caches that packages write on their first import, once, before the xdist
+    workers start. yapf (imported by MMEngine's config) writes its grammar under ~/.cache
+    without a lock: on a fresh machine a worker read it half-written from the other one and
+    could not collect tests/compat (EOFError, CI of 2026-11-28)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller has done it
+        return
+    try:
+        import yapf  # noqa: F401
+    except ImportError:  # MMEngine's tests skip themselves without it
+        pass
+
+
 @pytest.fixture(scope="session")
 def dist_pools() -> Iterator[dict[int, DistPool]]:
     pools = {n: DistPool(n) for n in WORLD_SIZES if n > 1}
