@@ -61,14 +61,19 @@ LOG_WINDOW = 10  # MMEngine's LogProcessor's window_size by default: its lines' 
 def exit_2_on_refusal(kind: type[BaseException], error: BaseException, trace: Any) -> None:
     """``sys.excepthook`` while a script uses the compat Runner: a refusal nothing caught (a
     ``ConfigError``) ends the script as trainrun's command lines end: one line on stderr
-    (from rank 0), exit code 2. Anything else goes to the hook that was there before."""
+    (from rank 0), exit code 2. Anything else goes to the hook that was there before.
+
+    The line goes to the stderr the process started with: once a process group is joined,
+    torch.distributed's own hook calls this one with ``sys.stderr`` swapped for a buffer that
+    it prints only after this hook returns, which it never does."""
     if not issubclass(kind, ConfigError):
         _previous_hook(kind, error, trace)
         return
+    stderr = sys.__stderr__ or sys.stderr
     if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(error_line(error) + "\n")
+        stderr.write(error_line(error) + "\n")
     sys.stdout.flush()
-    sys.stderr.flush()
+    stderr.flush()
     os._exit(EXIT_USAGE)  # after an uncaught exception Python would exit 1
 
 
