@@ -381,6 +381,28 @@ class _Recorder(torch.nn.Module):
         return {}
 
 
+def test_fp16_trains_or_is_refused_naming_the_key_where_deepspeed_has_none(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    def runner_of():
+        return _runner(str(tmp_path / "run"), {"type": "deepspeed", "zero_stage": 2},
+                       max_iters=2, precision="fp16")
+
+    if get_accelerator().is_fp16_supported():
+        runner = runner_of()
+        runner.train()
+        runner.close()
+        assert sorted(losses(tmp_path / "run")) == [1, 2]
+        return
+    with pytest.raises(ConfigError) as refused:
+        runner_of()
+    assert str(refused.value) == (
+        "precision: 'fp16': DeepSpeed runs fp16 on a CPU only with oneDNN's fp16 kernels "
+        "(AVX512-FP16 or AMX), which this CPU lacks; use bf16 or fp32")
+    assert not torch.distributed.is_initialized()  # refused before the strategy's own group
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
                                              ("fp32", torch.float32)])
 def test_the_training_forward_gets_floats_in_the_engines_dtype(precision, dtype):

@@ -322,6 +322,24 @@ def _add_zero12_grads(plan: StateBytes, trainable: Sequence[ParamSpec], world_si
 _ds_groups_for: list[Any] = [None]  # the default group DeepSpeed's cached groups belong to
 
 
+def _check_fp16(precision: str, device: torch.device) -> None:
+    """Refuse ``precision: fp16`` where DeepSpeed's accelerator has no fp16, naming the key
+    (DeepSpeed's own refusal names neither it nor what to do). On a CPU its fp16 needs
+    oneDNN's fp16 kernels, which only CPUs with AVX512-FP16 or AMX have."""
+    if precision != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        return
+    if device.type == "cpu":
+        why = ("DeepSpeed runs fp16 on a CPU only with oneDNN's fp16 kernels (AVX512-FP16 or "
+               "AMX), which this CPU lacks")
+    else:
+        why = f"DeepSpeed has no fp16 on this {device.type} device"
+    raise ValueError(f"precision: 'fp16': {why}; use bf16 or fp32")
+
+
 def _skip_shared_memory_comm_build() -> None:
     """On the CPU accelerator DeepSpeed compiles a shared-memory all-reduce kernel (its
     ``deepspeed_shm_comm`` op, about 50 s of C++ the first time in an environment) when its
@@ -641,6 +659,7 @@ class DeepSpeedStrategy(Strategy):
         # how a checkpoint of another strategy is matched to them (_load_whole)
         self._group_names = optimizer_order(optimizer, model)
         self._groups = optimizer_groups(optimizer)
+        _check_fp16(settings["precision"], device)
         _skip_shared_memory_comm_build()
         self._ensure_group()
         import deepspeed
