@@ -326,3 +326,25 @@ def test_a_script_that_does_not_catch_a_refusal_exits_2_in_one_line(tmp_path: Pa
     done = run([sys.executable, str(script)])
     assert done.returncode == 2
     assert done.stderr.splitlines() == [line]
+
+
+def test_a_refusal_rank_0_reaches_last_is_still_said_under_torchrun(tmp_path: Path):
+    # rank 0 is late to the optimiser's refusal (its model hands out parameters slowly);
+    # torchrun stops the other ranks once one has ended
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, time\n"
+        "import torch\n"
+        "from trainrun.compat.mmengine.runner import Runner\n"
+        "class RankZeroLate(torch.nn.Linear):\n"
+        "    def parameters(self, recurse=True):\n"
+        "        if os.environ['RANK'] == '0':\n"
+        "            time.sleep(0.5)\n"
+        "        return super().parameters(recurse)\n"
+        f"Runner(model=RankZeroLate(2, 2), work_dir={str(tmp_path / 'run')!r},\n"
+        f"       {REFUSALS['after joining'][0]})\n")
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port()), str(script)])
+    assert "exitcode  : 2" in done.stderr, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        REFUSALS["after joining"][1]]

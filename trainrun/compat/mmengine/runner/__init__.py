@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -55,6 +56,7 @@ LOADER_KEYS = {"dataset", "sampler", "batch_size", "num_workers", "persistent_wo
 DEFAULT_HOOK_TYPES = {"runtime_info": "RuntimeInfoHook", "timer": "IterTimerHook",
                       "sampler_seed": "DistSamplerSeedHook", "logger": "LoggerHook",
                       "param_scheduler": "ParamSchedulerHook", "checkpoint": "CheckpointHook"}
+REFUSAL_GRACE = 3.0  # seconds a rank other than 0 waits, after a refusal, before it exits
 LOG_WINDOW = 10  # MMEngine's LogProcessor's window_size by default: its lines' values smoothed
 
 
@@ -72,6 +74,8 @@ def exit_2_on_refusal(kind: type[BaseException], error: BaseException, trace: An
     stderr = sys.__stderr__ or sys.stderr
     if os.environ.get("RANK", "0") == "0":
         stderr.write(error_line(error) + "\n")
+    else:  # every rank finds the same refusal: give rank 0 the time to say it before
+        time.sleep(REFUSAL_GRACE)  # torchrun, seeing this rank end, stops it
     sys.stdout.flush()
     stderr.flush()
     os._exit(EXIT_USAGE)  # after an uncaught exception Python would exit 1
