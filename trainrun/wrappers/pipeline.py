@@ -317,7 +317,8 @@ class Pipeline:
     def _run(self, batch: Any) -> None:
         """One pass of the schedule over ``batch``, forward and backward, microbatched."""
         self._batch, self._log_vars = batch, []
-        inputs = self.methods.pp_inputs(batch)
+        # the first stage feeds the inputs; the last counts them, to index the batch's targets
+        inputs = self.methods.pp_inputs(batch) if self.is_first or self.is_last else None
         index = torch.arange(len(inputs), device=self.device) if self.is_last else None
         self.schedule.step(*((inputs,) if self.is_first else ()), target=index,
                            losses=[] if self.is_last else None)
