@@ -34,6 +34,16 @@ class SlowDigitsMLP(DigitsMLP):
         return super().forward(batch, mode)
 
 
+class RankZeroLateDigitsMLP(DigitsMLP):
+    """The digits model, built ``late_seconds`` later on rank 0 than on the others: the other
+    ranks reach whatever the built model makes the run refuse first."""
+
+    def __init__(self, late_seconds: float = 1.0, **kwargs):
+        if os.environ.get("RANK") == "0":
+            time.sleep(late_seconds)
+        super().__init__(**kwargs)
+
+
 class FailingDigitsMLP(DigitsMLP):
     """Raises in the forward pass of training step ``fail_at`` on rank ``fail_rank``."""
 

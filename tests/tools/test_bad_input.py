@@ -8,14 +8,17 @@ from __future__ import annotations
 import json
 import random
 import struct
+import time
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
 
-from tests.cli import file_bytes
+from tests.cli import file_bytes, run, torchrun
 from tests.runner.toy import Payload, rehash
+from trainrun import exits
 from trainrun.cli import test as test_tool
 from trainrun.cli.train import main as train_main
 from trainrun.examples.digits import DigitsMLP
@@ -391,3 +394,37 @@ def test_resume_of_a_run_from_before_a_key_was_added(tmp_path, capfd, clean_env)
                        *longer, "schedule.max_iters=8", "compile=true"]) == 2
     err = capfd.readouterr().err
     assert "compile: false -> unset; compile.backend: unset -> 'inductor'" in err, err
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_bad_config_under_torchrun_is_said_by_rank_0_alone(tmp_path, capfd, clean_env,
+                                                            monkeypatch, rank):
+    """Every rank finds the same bad config: rank 0 says it, the others exit 2 in silence,
+    after waiting for rank 0 to say it (torchrun stops the other ranks once one has ended)."""
+    for name, value in {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500", "LOCAL_RANK": str(rank)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(exits, "REFUSAL_GRACE", 0.5)
+    started = time.monotonic()
+    code = train_main([str(CONFIG), "--launcher", "pytorch", "--work-dir",
+                       str(tmp_path / "run"), "--cfg-options", "optim.lr=abc"])
+    waited = time.monotonic() - started
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and not (tmp_path / "run").exists()
+    if rank == 0:
+        assert errors == ["error: optim.lr: got 'abc', expected a number > 0"] and waited < 0.5
+    else:
+        assert errors == [] and waited >= 0.5
+
+
+def test_a_refusal_rank_0_reaches_last_is_still_said_once_under_torchrun(tmp_path):
+    """What only the built model shows (here: no tensor-parallel plan) is refused by every
+    rank; rank 0, late to it (its model takes a second longer to build), still says it, and
+    it alone."""
+    done = run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir", str(tmp_path / "run"),
+                        "--cfg-options", "model.type=tests.tools.models.RankZeroLateDigitsMLP",
+                        "strategy.type=fsdp", "strategy.tp=2"))
+    assert "exitcode  : 2" in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: strategy.tp: 2 splits the model"), \
+        done.stderr[-3000:]

@@ -32,7 +32,14 @@ from trainrun.cli.launch import launch_workers, leave_report
 from trainrun.dist import PeerFailure, end_within, infer_launcher, is_distributed
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.dist.timeouts import get_timeout
-from trainrun.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
+from trainrun.exits import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    say_refusal,
+)
 from trainrun.messages import error_line, first_line
 from trainrun.runner.builder import check_types
 from trainrun.runner.config import (
@@ -400,10 +407,11 @@ def _print_to_stderr(message: str) -> None:
 
 
 def _usage_error(error: ConfigError) -> int:
-    """Say ``error`` in one line (and leave it for an ``--nproc`` starter); exit code 2."""
+    """Say ``error`` in one line, once for a job of several ranks (and leave it for an
+    ``--nproc`` starter); exit code 2."""
     line = error_line(error)
     leave_report(EXIT_USAGE, line)
-    _print_to_stderr(line)
+    say_refusal(line if _rank(None) == 0 else None)
     return EXIT_USAGE
 
 
@@ -461,7 +469,9 @@ def _end(ending: Ending, error: BaseException, runner: Any) -> int:
     if ending.code == EXIT_FAILED and not ending.peer and \
             getattr(runner, "failed_at_step", None) is None:
         traceback.print_exception(error, file=sys.stderr)
-    if ending.line and not ending.said:
+    if ending.code == EXIT_USAGE:  # every rank found it; rank 0 says it
+        say_refusal(ending.line)
+    elif ending.line and not ending.said:
         _print_to_stderr(ending.line)
     return ending.code
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -42,7 +41,7 @@ from trainrun.dist import (
     is_distributed,
     sync_random_seed,
 )
-from trainrun.exits import EXIT_USAGE
+from trainrun.exits import EXIT_USAGE, say_refusal
 from trainrun.messages import error_line, is_int
 from trainrun.runner.hooks.base import Hook as TrainrunHook
 from trainrun.runner.runner import Runner as TrainrunRunner
@@ -56,7 +55,6 @@ LOADER_KEYS = {"dataset", "sampler", "batch_size", "num_workers", "persistent_wo
 DEFAULT_HOOK_TYPES = {"runtime_info": "RuntimeInfoHook", "timer": "IterTimerHook",
                       "sampler_seed": "DistSamplerSeedHook", "logger": "LoggerHook",
                       "param_scheduler": "ParamSchedulerHook", "checkpoint": "CheckpointHook"}
-REFUSAL_GRACE = 3.0  # seconds a rank other than 0 waits, after a refusal, before it exits
 LOG_WINDOW = 10  # MMEngine's LogProcessor's window_size by default: its lines' values smoothed
 
 
@@ -71,13 +69,9 @@ def exit_2_on_refusal(kind: type[BaseException], error: BaseException, trace: An
     if not issubclass(kind, ConfigError):
         _previous_hook(kind, error, trace)
         return
-    stderr = sys.__stderr__ or sys.stderr
-    if os.environ.get("RANK", "0") == "0":
-        stderr.write(error_line(error) + "\n")
-    else:  # every rank finds the same refusal: give rank 0 the time to say it before
-        time.sleep(REFUSAL_GRACE)  # torchrun, seeing this rank end, stops it
+    first = os.environ.get("RANK", "0") == "0"  # every rank finds the same refusal
+    say_refusal(error_line(error) if first else None, sys.__stderr__ or sys.stderr)
     sys.stdout.flush()
-    stderr.flush()
     os._exit(EXIT_USAGE)  # after an uncaught exception Python would exit 1
 
 
