@@ -96,6 +96,22 @@ def test_max_keep_prunes_the_oldest_by_step_number(tmp_path):
     assert last_names(manager.directory) == "epoch_11.pth"
 
 
+def test_a_stop_inside_an_epoch_is_ordered_between_the_epochs_ends(tmp_path):
+    """``epoch_1_iter_11`` (a stop signal's, inside epoch 2) comes after ``epoch_1`` and
+    before ``epoch_2``: in pruning, and in the order resume falls back in."""
+    manager, model, optimizer = _manager(tmp_path, max_keep=3)
+    for name in ("epoch_1", "epoch_1_iter_11"):
+        manager.save(name, model, optimizer, {})
+    assert manager_module.newest_first(manager.directory) == [
+        manager.directory / "epoch_1_iter_11.pth", manager.directory / "epoch_1.pth"]
+    for name in ("epoch_2", "epoch_3"):
+        manager.save(name, model, optimizer, {})
+    assert listing(manager.directory) == [
+        *hashed("epoch_1_iter_11.pth", "epoch_2.pth", "epoch_3.pth"), "last"]
+    assert manager_module.newest_first(manager.directory)[1:] == [
+        manager.directory / "epoch_2.pth", manager.directory / "epoch_1_iter_11.pth"]
+
+
 def test_a_new_run_in_an_older_runs_directory_keeps_its_own_checkpoint(tmp_path):
     """The older run's checkpoints have higher steps; pruning must not remove the new one,
     which ``last`` names (it did: ``last`` then named a file that was gone)."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
 from tests.records import loss_list
+from trainrun.checkpoint.read import read_train_state
 from trainrun.runner.preemption import (
     Preempted,
     StopRequest,
@@ -19,15 +21,16 @@ from trainrun.runner.preemption import (
 from trainrun.runner.runner import Runner
 
 
-def _runner(work_dir, *, resume=False, hooks=(), background=False):
+def _runner(work_dir, *, resume=False, hooks=(), background=False, schedule=None,
+            interval=5):
     return Runner(
         model={"type": "tests.runner.toy.ToyModel"}, work_dir=work_dir,
         train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
                           "batch_size": 4},
         optim={"type": "AdamW", "lr": 0.01}, strategy="ddp",
-        schedule={"max_iters": 12}, randomness={"seed": 5},
+        schedule=schedule or {"max_iters": 12}, randomness={"seed": 5},
         logging={"interval": 1, "backends": ["jsonl"]},
-        checkpoint={"interval": 5, "async": background}, resume=resume, hooks=hooks,
+        checkpoint={"interval": interval, "async": background}, resume=resume, hooks=hooks,
     )
 
 
@@ -90,6 +93,54 @@ def test_a_signal_stops_every_rank_after_the_same_step_and_resumes_exactly(
     logged, expected = loss_list(work_dir), dict(loss_list(straight))
     assert [step for step, _ in logged] == [*range(1, stop + 1), *range(stop + 1, 13)]
     assert all(loss == expected[step] for step, loss in logged)  # bit for bit
+
+
+def _preempted_by_epoch_body(work_dir):
+    """A run of 3 epochs of 8 steps, a checkpoint at each epoch's end, stopped by SIGTERM
+    after step 11 (inside epoch 2), then resumed: the stop's checkpoint name, and the
+    checkpoints there after the stop, the step epoch 1's holds, and the checkpoints at the
+    end."""
+    check_seconds, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0  # every step
+    schedule = {"max_epochs": 3}
+    runner = _runner(work_dir, hooks=[SignalAt(11, signal.SIGTERM, 0)], schedule=schedule,
+                     interval=1)
+    try:
+        runner.train()
+    except Preempted as stop:
+        stopped = stop.checkpoint
+    runner.close()
+    checkpoints = Path(work_dir) / "checkpoints"
+    after_stop = sorted(p.name for p in checkpoints.iterdir())
+    epoch_end = read_train_state(checkpoints / "epoch_1.pth")["meta"]["iter"]
+    runner = _runner(work_dir, resume=True, schedule=schedule, interval=1)
+    runner.train()
+    runner.close()
+    StopRequest.CHECK_SECONDS = check_seconds
+    return stopped, after_stop, epoch_end, sorted(p.name for p in checkpoints.iterdir())
+
+
+def test_a_signal_inside_an_epoch_keeps_the_checkpoint_of_the_epochs_end(run_on, tmp_path):
+    """Counting epochs, a stop after step 11 (inside epoch 2) is ``epoch_1_iter_11``: the
+    checkpoint of epoch 1's end, ``epoch_1``, stays as it was (it was overwritten by the
+    stop's), and the run resumes from the stop exactly."""
+    (stopped, after_stop, epoch_end, at_end), = run_on(1)(_preempted_by_epoch_body,
+                                                          str(tmp_path / "run"))
+    assert stopped == "epoch_1_iter_11.pth"
+    assert after_stop == [*sorted(f"{name}{hashes}" for name in ("epoch_1.pth", stopped)
+                                  for hashes in ("", ".sha256")), "last"]
+    kept = (stopped, "epoch_2.pth", "epoch_3.pth")  # max_keep 3: epoch_1, the oldest, went
+    assert at_end == [*sorted(f"{name}{hashes}" for name in kept
+                              for hashes in ("", ".sha256")), "last"]
+    assert epoch_end == 8
+    straight = run_on(1)(_straight_by_epoch_body, str(tmp_path / "straight"))[0]
+    assert loss_list(tmp_path / "run") == straight  # each step once, bit for bit
+
+
+def _straight_by_epoch_body(work_dir):
+    runner = _runner(work_dir, schedule={"max_epochs": 3}, interval=1)
+    runner.train()
+    runner.close()
+    return loss_list(work_dir)
 
 
 class _Clock:

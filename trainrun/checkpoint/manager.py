@@ -37,7 +37,9 @@ from trainrun.dist import (
 CHECKPOINTS_DIR = "checkpoints"  # where a run directory keeps its checkpoints (and LAST)
 LAST = "last"
 MAX_KEEP = 3  # periodic checkpoints kept by default
-_STEP = re.compile(r"^(epoch|iter)_(\d+)")
+# a periodic checkpoint's name: iter_N, epoch_N, or epoch_N_iter_M (a stop M steps into the run,
+# inside the epoch after the N-th)
+_STEP = re.compile(r"^(epoch|iter)_(\d+)(?:_iter_(\d+))?")
 
 
 def _remove(path: Path) -> None:
@@ -53,10 +55,15 @@ def _remove_checkpoint(path: Path) -> None:
     _remove(sidecar(path))
 
 
-def _periodic_step(name: str) -> tuple[str, int] | None:
-    """('iter' or 'epoch', N) for a periodic checkpoint's name (``iter_N.pth``), else None."""
+def _periodic_step(name: str) -> tuple[str, tuple[int, int]] | None:
+    """The kind ('iter' or 'epoch') and the place, which orders the checkpoints of a kind, of
+    a periodic checkpoint's name, else None: ``iter_N.pth`` is ('iter', (N, 0)),
+    ``epoch_N.pth`` ('epoch', (N, 0)), and ``epoch_N_iter_M.pth``, inside the next epoch,
+    ('epoch', (N, M))."""
     found = _STEP.match(name)
-    return (found.group(1), int(found.group(2))) if found and not is_sidecar(name) else None
+    if not found or is_sidecar(name):
+        return None
+    return found.group(1), (int(found.group(2)), int(found.group(3) or 0))
 
 
 class CheckpointWriter(Protocol):
@@ -267,11 +274,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def newest_first(directory: Path) -> list[Path]:
     """The checkpoint ``directory/last`` names, then the older periodic ones of its kind
-    (``iter_N`` or ``epoch_N``), newest first; none if ``last`` names nothing that is there."""
+    (``iter_N``, or ``epoch_N`` and ``epoch_N_iter_M``), newest first; none if ``last`` names
+    nothing that is there."""
     newest = named_by_last(directory)
     if newest is None or not newest.exists():
         return []
-    kind, step = _periodic_step(newest.name) or ("", -1)
+    kind, step = _periodic_step(newest.name) or ("", (-1, 0))
     older = sorted((found[1], entry) for entry in directory.iterdir()
                    if (found := _periodic_step(entry.name)) and found[0] == kind
                    and found[1] < step)

@@ -72,6 +72,7 @@ class TrainLoop:
         self.runner = runner
         self.dataloader = dataloader
         self.resume_mid_epoch = False  # set when a checkpoint stopped inside an epoch
+        self.inside_epoch = False  # an epoch is begun and not yet counted as finished
 
     def run(self) -> None:
         runner = self.runner
@@ -97,6 +98,7 @@ class TrainLoop:
         sampler = loader.sampler
         resumable = isinstance(sampler, ResumableSampler)  # it keeps where the epoch is
         runner.call_hook("before_train_epoch")
+        self.inside_epoch = True
         # a step's hooks, those of runner.hooks now (a hook added in an epoch runs from the next)
         before_iter = runner.hook_methods("before_train_iter")
         after_iter = runner.hook_methods("after_train_iter")
@@ -132,6 +134,7 @@ class TrainLoop:
             if resumable:
                 sampler.finish_epoch()
             runner.epoch += 1
+            self.inside_epoch = False
             runner.call_hook("after_train_epoch")
 
 

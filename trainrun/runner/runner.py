@@ -472,9 +472,13 @@ class Runner:
         """The name of a checkpoint of the current position.
 
         Returns:
-            ``epoch_<epoch>`` when the schedule counts epochs, else ``iter_<iter>``.
+            ``iter_<iter>`` when the schedule counts steps; ``epoch_<epoch>`` at an epoch's
+            end, and ``epoch_<epoch>_iter_<iter>`` inside the next epoch (a stop signal's).
         """
-        return f"epoch_{self.epoch}" if self.by_epoch else f"iter_{self.iter}"
+        if not self.by_epoch:
+            return f"iter_{self.iter}"
+        inside = getattr(self.train_loop, "inside_epoch", False)
+        return f"epoch_{self.epoch}_iter_{self.iter}" if inside else f"epoch_{self.epoch}"
 
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
                         background: bool = False) -> Path:
