@@ -1,5 +1,7 @@
 """Stop signals: SIGTERM or SIGUSR1 reaching one rank stops every rank after the same step,
-with a checkpoint from which the run resumes exactly; handlers are put back afterwards."""
+with a checkpoint from which the run resumes exactly; handlers are put back afterwards. And
+where a run that counts epochs goes on from such a checkpoint: the name of one inside an
+epoch, and the steps left when it resumes on another number of ranks."""
 
 from __future__ import annotations
 
@@ -141,6 +143,47 @@ def _straight_by_epoch_body(work_dir):
     runner.train()
     runner.close()
     return loss_list(work_dir)
+
+
+def _first_part_body(work_dir, max_epochs, stop_at):
+    """Train ``max_epochs`` epochs (4 steps each on 2 ranks), stopped after step ``stop_at``
+    if given; the step it ended at."""
+    check_seconds, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0  # every step
+    hooks = [SignalAt(stop_at, signal.SIGTERM, 0)] if stop_at else []
+    runner = _runner(work_dir, hooks=hooks, schedule={"max_epochs": max_epochs}, interval=1)
+    try:
+        runner.train()
+    except Preempted:
+        pass
+    runner.close()
+    StopRequest.CHECK_SECONDS = check_seconds
+    return runner.iter
+
+
+def _rest_body(work_dir):
+    """Resume in 1 process (8 steps an epoch) up to 2 epochs: its planned last step, the step
+    it ended at, and the steps it logged."""
+    runner = _runner(work_dir, resume=True, schedule={"max_epochs": 2}, interval=1)
+    runner.train()
+    runner.close()
+    return runner.max_iters, runner.iter, [step for step, _ in loss_list(work_dir)]
+
+
+@pytest.mark.parametrize(("max_epochs", "stop_at", "planned"), [
+    (1, None, 4 + 8),  # at epoch 1's end: epoch 2 at 8 steps
+    (2, 3, 3 + 2 + 8),  # after step 3 of 4, 24 of the 32 samples: 8 left are 2 steps here
+], ids=["at an epoch's end", "inside an epoch"])
+def test_a_run_resumed_on_another_number_of_ranks_counts_the_steps_it_has_left(
+        run_on, tmp_path, max_epochs, stop_at, planned):
+    """The steps of an epoch depend on the number of ranks: a run that counts epochs, resumed
+    on 1 process from 2's checkpoint, plans (and shows, "step N/total") the steps it has
+    left at 1 process, and trains them all. Before, it planned 2 epochs of 8 steps from
+    step 0 and showed "training done: step 12/16"."""
+    work_dir = str(tmp_path / "run")
+    assert run_on(2)(_first_part_body, work_dir, max_epochs, stop_at) == [stop_at or 4] * 2
+    total, ended, logged = run_on(1)(_rest_body, work_dir)[0]
+    assert total == ended == planned
+    assert logged == list(range(1, planned + 1))
 
 
 class _Clock:

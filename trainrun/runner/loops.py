@@ -17,7 +17,7 @@ from trainrun.dist import at_step, phase, report_place, set_phase
 from trainrun.dist.device import autocast_dtype
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.schema import ConfigError, fields, integer, nullable
-from trainrun.runner.stream import is_stream
+from trainrun.runner.stream import is_sized, is_stream
 
 MAX_EPOCHS = 10  # a run's length when the config gives none
 
@@ -73,6 +73,21 @@ class TrainLoop:
         self.dataloader = dataloader
         self.resume_mid_epoch = False  # set when a checkpoint stopped inside an epoch
         self.inside_epoch = False  # an epoch is begun and not yet counted as finished
+        self.epoch_steps = len(dataloader) if is_sized(dataloader) else 0  # a whole epoch's
+
+    def steps_left(self) -> int:
+        """The steps a run that counts epochs has still to train: the rest of the epoch it
+        resumed inside (the loader's length, its sampler put back at its place), then whole
+        epochs at this run's number of ranks, which may not be the checkpoint's. A loader
+        without trainrun's sampler (a stream's pass, a loader given as it is) keeps the
+        schedule's count."""
+        runner = self.runner
+        if not isinstance(self.dataloader.sampler, ResumableSampler):
+            return runner.max_iters - runner.iter
+        whole = max(runner.max_epochs - runner.epoch, 0)
+        if not self.resume_mid_epoch:
+            return whole * self.epoch_steps
+        return len(self.dataloader) + max(whole - 1, 0) * self.epoch_steps
 
     def run(self) -> None:
         runner = self.runner

@@ -105,7 +105,7 @@ class Runner:
         iter: the training iterations finished so far (the global step).
         max_epochs: the epochs the schedule trains (from ``max_iters`` rounded up when the
             schedule counts iterations).
-        max_iters: the iterations the schedule trains.
+        max_iters: the iterations the schedule trains (after a resume: in this job's steps).
         by_epoch: whether the schedule counts epochs (else iterations).
         training: whether ``train`` is running (validation inside training sees True).
         stop_reason: why training ends early (set by ``request_stop``), else None.
@@ -388,6 +388,8 @@ class Runner:
         if self.start_from is not None:  # ("resume" or "load_from", path)
             how, path = self.start_from
             (self.resume if how == "resume" else self.load_weights)(path)
+        if self.by_epoch:  # the steps an epoch has depend on the number of ranks
+            self.max_iters = self.iter + self.train_loop.steps_left()
         self.optim_wrapper.set_total(self.iter, self.max_iters)
         self.training = True
         self.call_hook("before_run")
