@@ -122,6 +122,35 @@ def test_dotlist_overrides_are_typed_and_merged(tmp_path):
     assert cfg.model.hidden == 128
 
 
+HOOKED = MINIMAL + """\
+hooks:
+  - {type: EMA, momentum: 0.05, warmup: 20}
+  - {type: EarlyStopping, metric: accuracy, patience: 2}
+"""
+
+
+def test_an_override_goes_into_a_list_by_index(tmp_path):
+    """As MMEngine's --cfg-options does: ``hooks.1.patience=5`` changes the second hook and
+    keeps the rest of it; ``hooks.0={...}`` merges into the first."""
+    cfg = load(tmp_path, HOOKED, overrides=["hooks.1.patience=5",
+                                            "hooks.0={momentum: 0.2, interval: 2}"])
+    ema, stopping = OmegaConf.to_container(cfg.hooks)
+    assert (ema["type"], ema["momentum"], ema["warmup"], ema["interval"]) == ("EMA", 0.2, 20, 2)
+    assert (stopping["type"], stopping["metric"], stopping["patience"]) == (
+        "EarlyStopping", "accuracy", 5)
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("hooks.2.patience=5", "hooks is a list of 2: expected an index from 0 to 1 after "
+                           "'hooks.', got '2'"),
+    ("hooks.first.patience=5", "got 'first'"),
+    ("hooks.-1.patience=5", "got '-1'"),
+])
+def test_an_index_that_is_not_the_lists_names_the_override(tmp_path, override, said):
+    message = error(tmp_path, HOOKED, overrides=[override])
+    assert message.startswith(f"override {override!r}: ") and said in message, message
+
+
 def test_overrides_can_swap_the_schedule_and_add_a_scheduler(tmp_path):
     text = MINIMAL + "schedule: {max_epochs: 5}\n"
     cfg = load(tmp_path, text, ["schedule.max_epochs=null", "schedule.max_iters=50",

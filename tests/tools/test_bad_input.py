@@ -76,6 +76,7 @@ CASES = [
     (["--cfg-options", "data.train.batch_size=-4"], ["data.train.batch_size", "-4"]),
     (["--cfg-options", "data.train.batch_size=many"], ["data.train.batch_size", "'many'"]),
     (["--cfg-options", "optim.lr=-0.1"], ["optim.lr", "-0.1"]),
+    (["--cfg-options", "hooks.0.momentum=0.1"], ["hooks", "expected a list of hooks"]),
     (["--cfg-options", "optim.lr=fast"], ["optim.lr", "'fast'"]),
     (["--cfg-options", "optim.accumulate=0"], ["optim.accumulate", "0"]),
     (["--cfg-options", "schedule.max_epochs=0"], ["schedule.max_epochs", "0"]),

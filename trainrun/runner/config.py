@@ -270,14 +270,39 @@ def parse_override(override: str) -> DictConfig:
         raise ConfigError(f"override {override!r}: {_omegaconf_message(error)}") from None
 
 
+def _list_index(cfg: DictConfig, key: str) -> bool:
+    """Whether the dotted ``key`` goes into one of ``cfg``'s lists by index
+    (``hooks.0.momentum``); raises ConfigError for an index that is not one of the list's."""
+    parts = key.split(".")
+    for depth in range(1, len(parts)):
+        node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
+        if not isinstance(node, ListConfig):
+            continue
+        index, size = parts[depth], len(node)
+        if not index.isdigit() or int(index) >= size:
+            where = ".".join(parts[:depth])
+            raise ConfigError(f"{where} is a list of {size}: expected an index from 0 to "
+                              f"{size - 1} after '{where}.', got {index!r}" if size else
+                              f"{where} is an empty list: it has no item {index!r} to change")
+        return True
+    return False
+
+
 def apply_overrides(cfg: DictConfig, overrides: Iterable[str] = (),
                     values: Mapping[str, Any] | None = None) -> DictConfig:
     """``cfg`` with dotlist ``overrides`` merged, then ``values`` (dotted key -> Python value,
-    for command-line flags, which win) set."""
+    for command-line flags, which win) set. A key may go into a list by index, as MMEngine's
+    ``--cfg-options`` allows (``hooks.0.momentum=0.01``: the first hook's momentum)."""
     for override in overrides:
         patch = parse_override(override)
+        key = override.partition("=")[0].strip()
         try:
+            if _list_index(cfg, key):
+                OmegaConf.update(cfg, key, OmegaConf.select(patch, key), merge=True)
+                continue
             cfg = OmegaConf.merge(cfg, patch)
+        except ConfigError as error:
+            raise ConfigError(f"override {override!r}: {error}") from None
         except OmegaConfBaseException as error:
             raise ConfigError(f"override {override!r}: {_omegaconf_message(error)}") from None
         except (TypeError, ValueError) as error:  # e.g. a list over a mapping
