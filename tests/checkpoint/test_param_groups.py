@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.records import loss_list
 from tests.runner.toy import ToyModel
 from trainrun.checkpoint import DCPDirectory, DeepSpeedDirectory, TorchFile
 from trainrun.checkpoint.deepspeed_dir import TAG
@@ -151,3 +152,35 @@ def test_fsdp_resuming_with_other_groups_is_refused_before_anything_is_written(t
         f"{checkpoint}, in another work_dir)")
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == written
     _fsdp_runner(tmp_path, BIAS_APART, resume=True).close()  # the same groups resume
+
+
+@pytest.mark.parametrize(("before", "after", "lacking"), [
+    ("AdamW", "SGD", "momentum, dampening, which SGD needs"),
+    ("SGD", "AdamW", "betas, eps, which AdamW needs"),
+])
+def test_resuming_under_another_optimiser_type_is_refused_before_a_step(tmp_path, before,
+                                                                        after, lacking):
+    """torch loads another type's state into an optimiser without a word, and its first
+    step fails (a KeyError); the resume refuses it, naming what the groups lack. (The
+    command line refuses the change before anything is written, --force or not:
+    tests/tools/test_bad_input.py.)"""
+    def runner(optim_type, resume):
+        return Runner(model={"type": "tests.runner.toy.ToyModel"}, work_dir=tmp_path,
+                      train_dataloader={"type": "tests.runner.toy.ToyRegression", "size": 32,
+                                        "batch_size": 4},
+                      optim={"type": optim_type, "lr": 0.01}, strategy="none",
+                      schedule={"max_iters": 4 if resume else 2},
+                      logging={"interval": 1, "backends": []}, checkpoint={"interval": 2},
+                      resume=resume)
+
+    with runner(before, resume=False) as first:
+        first.train()
+    with runner(after, resume=True) as second, pytest.raises(ConfigError) as refused:
+        second.train()
+    checkpoint = tmp_path / "checkpoints" / "iter_2.pth"
+    assert str(refused.value) == (
+        f"resume: {checkpoint}: its optimiser state is another type's: its parameter groups "
+        f"lack {lacking}: optim.type changed since it was written; resume without that "
+        f"change, or start a new run from its weights alone (load_from: {checkpoint}, in "
+        f"another work_dir)")
+    assert [step for step, _ in loss_list(tmp_path)] == [1, 2]  # no step was taken

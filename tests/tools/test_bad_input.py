@@ -371,6 +371,15 @@ def test_resume_may_change_the_length_and_with_force_anything(tmp_path, capfd, c
              (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if "mode" not in line]
     assert steps == [2, 4, 6, 8]
+    # another optimiser type cannot take the checkpoint's state: refused, --force or not,
+    # before anything is written (torch would load it, and the first step fail)
+    record = file_bytes(tmp_path / "run")
+    retyped = [*changed, "schedule.max_iters=10", "optim.type=SGD"]
+    assert train_main([str(SINGLE), "--work-dir", work_dir, "--resume", "--force",
+                       "--cfg-options", *retyped]) == 2
+    assert ("error: resume: --force cannot change the optimiser's type (optim.type: 'AdamW' "
+            "-> 'SGD')") in capfd.readouterr().err
+    assert file_bytes(tmp_path / "run") == record
 
 
 def test_resume_of_a_run_from_before_a_key_was_added(tmp_path, capfd, clean_env):

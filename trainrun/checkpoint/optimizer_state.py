@@ -66,6 +66,26 @@ def load_optimizer_state(optimizer: Optimizers | None, state: Any,
                                 f"({first_line(error)}): {OPTIMIZER_MISMATCH_HINT}") from None
 
 
+def another_type(optimizer: Optimizers | None) -> str | None:
+    """What is wrong with ``optimizer`` after a state was loaded into it whose parameter groups
+    lack a hyperparameter of its type (another type's state: torch loads it without a word,
+    and the first step fails, as SGD on AdamW's groups without ``momentum``); None if none.
+
+    Args:
+        optimizer: this run's optimiser (one, or a dict of them by submodule), or None.
+    """
+    named = optimizer.items() if isinstance(optimizer, Mapping) else [("", optimizer)]
+    for name, opt in named:
+        defaults = getattr(opt, "defaults", None) or {}  # (DeepSpeed's own has none)
+        for group in getattr(opt, "param_groups", None) or []:
+            missing = [key for key in defaults if key not in group]
+            if missing:
+                which = f"{name}'s " if name else ""
+                return (f"its optimiser state is another type's: its parameter groups lack "
+                        f"{', '.join(missing)}, which {which}{type(opt).__name__} needs")
+    return None
+
+
 # ---------------------------------------------------------------- parameters by name
 
 def is_named(state: Any) -> bool:

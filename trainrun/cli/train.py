@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import pickle
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -225,10 +226,13 @@ def _checked_checkpoint(key: str, path: str, run_directory: bool = False) -> str
         raise ConfigError(f"{key}: {error}") from None
 
 
+_OPTIMISER_TYPE = re.compile(r"^optim\.(per_module\.[^.]+\.)?type: ")  # a change's key
+
+
 def _check_resumed_config(cfg: DictConfig, force: bool) -> list[str]:
     """Refuse to resume a run whose config.yaml differs from ``cfg`` in more than its length
-    (a changed model, data or optimiser would not resume the run it names), unless forced;
-    returns the warning a forced resume gives."""
+    (a changed model, data or optimiser would not resume the run it names), unless forced
+    (but for the optimiser's type); returns the warning a forced resume gives."""
     run_dir = RunDir(cfg.work_dir)
     saved_file = run_dir.config
     changes = run_dir.config_changes(cfg)
@@ -237,6 +241,13 @@ def _check_resumed_config(cfg: DictConfig, force: bool) -> list[str]:
     listed = "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more"
                                         if len(changes) > 12 else "")
     what = f"{saved_file} (the run being resumed) differs in {len(changes)} key(s): {listed}"
+    retyped = [change for change in changes if _OPTIMISER_TYPE.match(change)]
+    if force and retyped:  # torch loads another type's state, and the first step fails
+        raise ConfigError(f"resume: --force cannot change the optimiser's type "
+                          f"({'; '.join(retyped)}): the checkpoint holds the state of the "
+                          f"type it was written with; resume without that change, or start a "
+                          f"new run from its weights alone (load_from: <checkpoint>, in "
+                          f"another work_dir)")
     if force:
         return [f"resume: --force: {what}"]
     raise ConfigError(f"resume: {what}; pass --force to resume anyway")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainrun.checkpoint.optimizer_state import OptimizerMismatch
+from trainrun.checkpoint.optimizer_state import OptimizerMismatch, another_type
 from trainrun.checkpoint.train_state import HookStates, StatePart, TrainState
 from trainrun.dist import at_checkpoint
 from trainrun.runner.config import ConfigError
@@ -69,6 +69,11 @@ def resume_run(runner: Runner, path: Path) -> None:
         state = runner.strategy.load_checkpoint(str(path), runner.model, runner.optimizer)
     except OptimizerMismatch as error:
         raise ConfigError(f"resume: {path}: {error}") from None
+    wrong = another_type(runner.optimizer)
+    if wrong is not None:
+        raise ConfigError(f"resume: {path}: {wrong}: optim.type changed since it was written; "
+                          f"resume without that change, or start a new run from its weights "
+                          f"alone (load_from: {path}, in another work_dir)")
     written = (state.get("meta") or {}).get("strategy", runner.strategy.name)
     train_state(runner).load_state_dict(state)
     at_checkpoint(path.name, runner.iter)
