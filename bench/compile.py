@@ -28,6 +28,7 @@ from trainrun.dist import init_dist, leave_dist
 from trainrun.runner import Runner
 from trainrun.runner.config import load_config
 from trainrun.runner.hooks import Hook
+from trainrun.runner.run_dir import RunDir
 
 CONFIGS = {"digits (ddp)": "configs/digits_ddp.yaml",
            "tiny-LM (fsdp, per block)": "configs/tinylm_fsdp.yaml"}
@@ -61,7 +62,7 @@ def one_run(config: str, compile_: bool, steps: int, work_dir: Path) -> tuple[li
         runner.hooks.append(clock)
         runner.train()
     seconds = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
-    lines = (work_dir / "metrics.jsonl").read_text().splitlines() if RANK == 0 else []
+    lines = RunDir(work_dir).metrics.read_text().splitlines() if RANK == 0 else []
     return seconds, [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 

@@ -35,6 +35,7 @@ import torch
 from gloo_ranks import run_on_ranks
 
 from trainrun.runner.config import load_config
+from trainrun.runner.run_dir import RunDir
 from trainrun.runner.runner import Runner
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tinylm_fsdp.yaml"
@@ -66,7 +67,7 @@ def _train(width: int, layout: str, batch: int, steps: int, micro: int,
         rank = runner.rank
     lines = []
     if rank == 0:
-        lines = [json.loads(line) for line in (Path(work_dir) / "metrics.jsonl").open()]
+        lines = [json.loads(line) for line in RunDir(work_dir).metrics.open()]
     return {"times": [line["time"] for line in lines if "loss" in line][2:],
             "losses": [line["loss"] for line in lines if "loss" in line],
             "peak_mb": max((line.get("peak_memory_mb", 0) for line in lines), default=0)}

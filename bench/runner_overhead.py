@@ -89,6 +89,7 @@ import trainrun.runner.hooks.logger as logger_module
 import trainrun.runner.preemption as preemption_module
 from trainrun.registry import resolve
 from trainrun.runner.hooks import Hook, LoggerHook, PreemptionHook
+from trainrun.runner.run_dir import RunDir
 from trainrun.runner.runner import Runner
 from trainrun.wrappers.ddp import DDPStrategy
 
@@ -185,8 +186,9 @@ class RawLog:
         self.handler: logging.Handler | None = None
         if torch_dist.get_rank() == 0:
             work_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(work_dir / "metrics.jsonl", "a", encoding="utf-8", buffering=1)
-            self.handler = logging.FileHandler(work_dir / "train.log", encoding="utf-8")
+            run = RunDir(work_dir)  # the files trainrun's run writes, written as it writes them
+            self.metrics = open(run.metrics, "a", encoding="utf-8", buffering=1)
+            self.handler = logging.FileHandler(run.log, encoding="utf-8")
             self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
             self.logger.addHandler(self.handler)
 
@@ -476,7 +478,7 @@ def train_runner(job: Job, interval: int, work_dir: Path, step_metrics: bool = T
     gc.collect()
     losses: dict[int, float] = {}
     if torch_dist.get_rank() == 0:
-        with open(work_dir / "metrics.jsonl", encoding="utf-8") as f:
+        with open(RunDir(work_dir).metrics, encoding="utf-8") as f:
             for line in f:
                 record = json.loads(line)
                 if "loss" in record and record.get("mode") is None:
