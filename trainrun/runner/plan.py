@@ -35,6 +35,7 @@ from trainrun.runner.config import dataset_kwargs
 from trainrun.runner.hooks.base import SLOTS
 from trainrun.runner.hooks.from_config import build_hook, check_built_hook, planned_order
 from trainrun.runner.optim.factory import (
+    GROUP_KEYS,
     WRAPPER_KEYS,
     optimizer_factory,
     own_options,
@@ -415,8 +416,7 @@ def _validation(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _optimiser(optim: Mapping[str, Any]) -> str:
-    arguments = {k: v for k, v in optim.items() if k not in ("clip_grad", "accumulate",
-                                                              "per_module", "paramwise")}
+    arguments = {k: v for k, v in optim.items() if k not in (*WRAPPER_KEYS, *GROUP_KEYS)}
     clip = optim["clip_grad"]
     text = (f"{_with_options(arguments)}; accumulate {optim['accumulate']}; clip_grad "
             + (_options(clip) if clip else "none"))
