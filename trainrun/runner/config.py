@@ -275,7 +275,8 @@ def _list_index(cfg: DictConfig, key: str) -> bool:
     (``hooks.0.momentum``); raises ConfigError for an index that is not one of the list's."""
     parts = key.split(".")
     for depth in range(1, len(parts)):
-        node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
+        node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False,
+                                throw_on_resolution_failure=False)
         if not isinstance(node, ListConfig):
             continue
         index, size = parts[depth], len(node)
