@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,24 +54,35 @@ class SignalAt:
 
 
 
-def _preempted_body(straight, work_dir, signum, rank, background):
-    check_seconds, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0  # every step
-    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
-    runner = _runner(straight)
-    runner.train()
-    runner.close()
-    runner = _runner(work_dir, hooks=[SignalAt(7, signum, rank)], background=background)
+@contextmanager
+def _agreeing_every_step():
+    """The ranks agree on a stop signal after every step (not every quarter second) inside
+    the block; the interval is put back however the block ends (the pool's processes run
+    other tests next)."""
+    saved, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0
     try:
+        yield
+    finally:
+        StopRequest.CHECK_SECONDS = saved
+
+
+def _preempted_body(straight, work_dir, signum, rank, background):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    with _agreeing_every_step():
+        runner = _runner(straight)
         runner.train()
-        stopped = None
-    except Preempted as stop:
-        stopped = (stop.step, stop.signal_name, stop.checkpoint, stop.requeued)
-    runner.close()
-    restored = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
-    runner = _runner(work_dir, resume=True, background=background)
-    runner.train()
-    runner.close()
-    StopRequest.CHECK_SECONDS = check_seconds
+        runner.close()
+        runner = _runner(work_dir, hooks=[SignalAt(7, signum, rank)], background=background)
+        try:
+            runner.train()
+            stopped = None
+        except Preempted as stop:
+            stopped = (stop.step, stop.signal_name, stop.checkpoint, stop.requeued)
+        runner.close()
+        restored = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+        runner = _runner(work_dir, resume=True, background=background)
+        runner.train()
+        runner.close()
     return stopped, restored
 
 
@@ -102,29 +114,27 @@ def _preempted_by_epoch_body(work_dir):
     after step 11 (inside epoch 2), then resumed: the stop's checkpoint name, and the
     checkpoints there after the stop, the step epoch 1's holds, and the checkpoints at the
     end."""
-    check_seconds, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0  # every step
     schedule = {"max_epochs": 3}
-    runner = _runner(work_dir, hooks=[SignalAt(11, signal.SIGTERM, 0)], schedule=schedule,
-                     interval=1)
-    try:
-        runner.train()
-    except Preempted as stop:
-        stopped = stop.checkpoint
-    runner.close()
+    with _agreeing_every_step():
+        runner = _runner(work_dir, hooks=[SignalAt(11, signal.SIGTERM, 0)], schedule=schedule,
+                         interval=1)
+        with pytest.raises(Preempted) as stop:
+            runner.train()
+        runner.close()
+    stopped = stop.value.checkpoint
     checkpoints = Path(work_dir) / "checkpoints"
     after_stop = sorted(p.name for p in checkpoints.iterdir())
     epoch_end = read_train_state(checkpoints / "epoch_1.pth")["meta"]["iter"]
     runner = _runner(work_dir, resume=True, schedule=schedule, interval=1)
     runner.train()
     runner.close()
-    StopRequest.CHECK_SECONDS = check_seconds
     return stopped, after_stop, epoch_end, sorted(p.name for p in checkpoints.iterdir())
 
 
 def test_a_signal_inside_an_epoch_keeps_the_checkpoint_of_the_epochs_end(run_on, tmp_path):
     """Counting epochs, a stop after step 11 (inside epoch 2) is ``epoch_1_iter_11``: the
-    checkpoint of epoch 1's end, ``epoch_1``, stays as it was (it was overwritten by the
-    stop's), and the run resumes from the stop exactly."""
+    checkpoint of epoch 1's end, ``epoch_1``, stays as it was (before, the stop's checkpoint
+    took its name and wrote over it), and the run resumes from the stop exactly."""
     (stopped, after_stop, epoch_end, at_end), = run_on(1)(_preempted_by_epoch_body,
                                                           str(tmp_path / "run"))
     assert stopped == "epoch_1_iter_11.pth"
@@ -148,15 +158,15 @@ def _straight_by_epoch_body(work_dir):
 def _first_part_body(work_dir, max_epochs, stop_at):
     """Train ``max_epochs`` epochs (4 steps each on 2 ranks), stopped after step ``stop_at``
     if given; the step it ended at."""
-    check_seconds, StopRequest.CHECK_SECONDS = StopRequest.CHECK_SECONDS, 0  # every step
     hooks = [SignalAt(stop_at, signal.SIGTERM, 0)] if stop_at else []
-    runner = _runner(work_dir, hooks=hooks, schedule={"max_epochs": max_epochs}, interval=1)
-    try:
-        runner.train()
-    except Preempted:
-        pass
-    runner.close()
-    StopRequest.CHECK_SECONDS = check_seconds
+    with _agreeing_every_step():
+        runner = _runner(work_dir, hooks=hooks, schedule={"max_epochs": max_epochs},
+                         interval=1)
+        try:
+            runner.train()
+        except Preempted:
+            pass
+        runner.close()
     return runner.iter
 
 
