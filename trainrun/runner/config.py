@@ -279,12 +279,12 @@ def _list_index(cfg: DictConfig, key: str) -> bool:
                                 throw_on_resolution_failure=False)
         if not isinstance(node, ListConfig):
             continue
-        index, size = parts[depth], len(node)
+        where, index, size = ".".join(parts[:depth]), parts[depth], len(node)
+        if not size:
+            raise ConfigError(f"{where} is an empty list: it has no item {index!r} to change")
         if not index.isdigit() or int(index) >= size:
-            where = ".".join(parts[:depth])
             raise ConfigError(f"{where} is a list of {size}: expected an index from 0 to "
-                              f"{size - 1} after '{where}.', got {index!r}" if size else
-                              f"{where} is an empty list: it has no item {index!r} to change")
+                              f"{size - 1} after '{where}.', got {index!r}")
         return True
     return False
 
