@@ -43,6 +43,9 @@ napoleon_numpy_docstring = False
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True}
+# a name between single backticks in a docstring is code, as in the Markdown pages (docutils'
+# default would set it in italics as the title of a work)
+default_role = "literal"
 
 # -n (nitpicky) checks every cross-reference; names from other projects have no inventory
 # here (the build must work offline), so they are not references to check.
