@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,11 +29,11 @@ from tests.runner.toy import (
 from trainrun.checkpoint import manager as manager_module
 from trainrun.checkpoint import manifest
 from trainrun.checkpoint.format import load_state_file
-from trainrun.checkpoint.manager import CheckpointManager
+from trainrun.checkpoint.manager import CheckpointManager, CheckpointNotWritten
 from trainrun.checkpoint.manifest import verify_checkpoint
 from trainrun.runner.config import ConfigError
 from trainrun.runner.runner import Runner
-from trainrun.wrappers import DDPStrategy, SingleDeviceStrategy
+from trainrun.wrappers import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
 CPU = torch.device("cpu")
 
@@ -218,6 +220,78 @@ def test_a_crash_between_the_manifest_and_its_checkpoint_leaves_no_orphan(tmp_pa
     assert listing(manager.directory) == [".tmp-iter_1.pth", "iter_1.pth.sha256"]
     manager.save("iter_2", model, optimizer, {})
     assert listing(manager.directory) == [*hashed("iter_2.pth"), "last"]
+
+
+# ---------------------------------------------------------------- a file system that refuses
+
+
+@contextmanager
+def files_limited_to(size: int):
+    """No file of this process grows past ``size`` bytes (RLIMIT_FSIZE) inside the block: a
+    write beyond it fails with EFBIG ("File too large"), as one on a full disk fails with
+    ENOSPC (Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_save_the_file_system_refuses_leaves_nothing_and_says_why(tmp_path):
+    """torch's writer reports the refused write as "unexpected pos", the OSError only as its
+    context (a small write, as here, raises the OSError itself): the error names the OSError,
+    the room left and the checkpoint still in charge, and the half-written file is gone (its
+    room is back)."""
+    manager, model, optimizer = _manager(tmp_path)
+    first = manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
+    with files_limited_to(first.stat().st_size // 2), \
+            pytest.raises(CheckpointNotWritten) as refused:
+        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
+    message = str(refused.value)
+    assert message.startswith("checkpoint iter_2.pth not written: File too large ("), message
+    assert f" free in {manager.directory}); iter_1.pth is still the newest" in message, message
+    assert listing(manager.directory) == [*hashed("iter_1.pth"), "last"]
+    assert newest(manager) == first
+    manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})  # room again: it goes on
+    assert last_names(manager.directory) == "iter_2.pth"
+
+
+def test_a_failure_that_is_not_the_file_systems_is_raised_as_it_is(tmp_path, monkeypatch):
+    manager, model, optimizer = _manager(tmp_path)
+
+    def unpicklable(*args, **kwargs):
+        raise pickle.PicklingError("cannot pickle 'generator' object")
+
+    monkeypatch.setattr(torch, "save", unpicklable)
+    with pytest.raises(pickle.PicklingError):
+        manager.save("iter_1", model, optimizer, {})
+
+
+def _refused_sharded_body(work_dir, size):
+    """On every rank: fsdp's DCP checkpoint iter_1, then iter_2 with no file allowed past
+    ``size`` bytes; the error each rank got, and the checkpoints' directory after it. (Each
+    rank's shard, 34 KB, is refused; rank 0's train state, about 1 KB, is not: a rank that
+    failed alone would leave the others waiting, which the heartbeat ends in a real job.)"""
+    strategy = FSDPStrategy()
+    model, optimizer = strategy.setup(ToyModel(features=64, hidden=256), CPU,
+                                      lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    manager = CheckpointManager(Path(work_dir) / "checkpoints", strategy)
+    manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
+    with files_limited_to(size), pytest.raises(CheckpointNotWritten) as refused:
+        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
+    dist.barrier()  # rank 0 removes the directory last
+    return str(refused.value), listing(manager.directory)
+
+
+def test_a_sharded_save_the_file_system_refuses_is_removed_on_every_rank(run_on, tmp_path):
+    """DCP gathers the ranks' failures into one error on every rank: each names the OSError
+    inside it, and the ranks remove the unfinished directory together."""
+    for message, left in run_on(2)(_refused_sharded_body, str(tmp_path), 8192):
+        assert message.startswith("checkpoint iter_2.pth not written: File too large ("), \
+            message
+        assert message.endswith("); iter_1.pth is still the newest"), message
+        assert left == ["iter_1.pth", "last"]
 
 
 # ---------------------------------------------------------------- crash, then resume

@@ -33,6 +33,7 @@ from trainrun.dist import (
     get_rank,
     is_main_process,
 )
+from trainrun.messages import first_line
 
 CHECKPOINTS_DIR = "checkpoints"  # where a run directory keeps its checkpoints (and LAST)
 LAST = "last"
@@ -92,6 +93,60 @@ class _PendingSave:
     step: int
 
 
+class CheckpointNotWritten(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a lost mount); the message
+    says why, how much room is left where it is written, and which checkpoint the run still
+    has. This rank's part of it is removed, and ``last`` still names the one before."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The OSError behind ``error``, looked for among its causes and, for DCP's
+    CheckpointException, among the ranks' failures it holds; else ``error`` itself. (torch's
+    file writer reports a full disk as "unexpected pos", the OSError only as its context.)"""
+    todo, seen = [error], set()
+    while todo:
+        each = todo.pop(0)
+        if id(each) in seen:
+            continue
+        seen.add(id(each))
+        if isinstance(each, OSError):
+            return each
+        failures = getattr(each, "failures", None)  # DCP's: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [c for c in (each.__cause__, each.__context__) if c is not None]
+    return error
+
+
+def _room(directory: Path) -> str:
+    """How much room the file system of ``directory`` has left, in words."""
+    try:
+        free = float(shutil.disk_usage(directory).free)
+    except OSError:
+        return "its free space unknown"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.0f} {unit} free" if unit == "bytes" else f"{free:.1f} {unit} free"
+        free /= 1024
+    raise AssertionError("unreachable")
+
+
+def not_written(final: Path, error: BaseException | None) -> CheckpointNotWritten:
+    """The error that says checkpoint ``final`` was not written because of ``error`` (None:
+    another rank's part failed)."""
+    if error is None:
+        why = "another rank could not write its part"
+    else:
+        cause = _root_cause(error)
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
+            f"{type(cause).__name__}: {first_line(cause)}"
+    before = named_by_last(final.parent)
+    kept = f"{before.name} is still the newest" if before is not None else \
+        "the run has no checkpoint before it"
+    return CheckpointNotWritten(f"checkpoint {final.name} not written: {why} "
+                                f"({_room(final.parent)} in {final.parent}); {kept}")
+
+
 def named_by_last(directory: Path) -> Path | None:
     """The checkpoint that ``directory/last`` names (there or not); None without ``last``."""
     last = directory / LAST
@@ -132,6 +187,10 @@ class CheckpointManager:
         With ``background``, this returns once the state is copied in memory; the checkpoint
         is published by a later `poll` or `finish`, when every rank's part is on disk. A
         background save still running is finished first.
+
+        Raises:
+            CheckpointNotWritten: when the file system refused this rank's part (a full disk,
+                a quota); its part is removed, and ``last`` still names the checkpoint before.
         """
         self.finish()
         self.clean_partial()
@@ -147,9 +206,35 @@ class CheckpointManager:
             self._pending = _PendingSave(self._hash_when_written(written, tmp, final), tmp, final,
                                      update_last, step)
             return final
-        self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
+        try:
+            self.strategy.save_checkpoint(str(tmp), model, optimizer, extra)
+        except BaseException as error:  # noqa: B036 - DCP's errors are BaseExceptions
+            if not isinstance(_root_cause(error), OSError):
+                raise  # not the file system's: the error as it is
+            # DCP's error comes to every rank (it holds the failures of all): they clean up
+            # together; a one-file checkpoint's writer fails alone
+            self._discard_own(tmp, together=isinstance(getattr(error, "failures", None), dict))
+            raise not_written(final, error) from error
         self._publish(tmp, final, update_last, step, self._hash_own_files(tmp, final))
         return final
+
+    def _discard_own(self, tmp: Path, together: bool = False) -> None:
+        """Remove the files of the unfinished checkpoint ``tmp`` that this rank wrote; with
+        ``together`` (every rank is here), then the rest of it. Whatever is left (a rank
+        that failed alone cannot wait for the others) goes at the next save."""
+        if tmp.exists():
+            for path in self.strategy.own_files(tmp, get_rank()):
+                path.unlink(missing_ok=True)
+        if together:
+            barrier()
+        if is_main_process() and tmp.is_dir():
+            if together:
+                _remove(tmp)
+            else:
+                try:
+                    tmp.rmdir()  # empty once every rank has removed its files
+                except OSError:
+                    pass
 
     def _hash_own_files(self, tmp: Path, final: Path) -> dict[str, str]:
         """The sha256 of the files of checkpoint ``tmp`` this rank wrote (read back from its
@@ -185,7 +270,8 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """Wait for a background save and publish it (every rank); a write that failed on
-        any rank raises on every rank and leaves ``last`` where it was."""
+        any rank raises `CheckpointNotWritten` on every rank, the save's files removed and
+        ``last`` left where it was."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -193,8 +279,8 @@ class CheckpointManager:
         failed = torch.tensor([0 if error is None else 1])
         all_reduce(failed, op="max")
         if failed.item():
-            raise RuntimeError(f"background save of {pending.final.name} failed"
-                               + (f" here: {error!r}" if error else " on another rank")) from error
+            self._discard_own(pending.tmp, together=True)
+            raise not_written(pending.final, error) from error
         self._publish(pending.tmp, pending.final, pending.update_last, pending.step,
                       pending.future.result())
 
@@ -212,7 +298,11 @@ class CheckpointManager:
         where a restart would continue from (`at_checkpoint`)."""
         every_rank = gather_object(hashes, dst=0)  # and every rank's part is on disk
         if is_main_process():
-            write_manifest(tmp, final, {k: v for part in every_rank for k, v in part.items()})
+            try:
+                write_manifest(tmp, final, {k: v for part in every_rank for k, v in part.items()})
+            except OSError as error:  # every rank's part is written: this rank removes it all
+                _remove(tmp)
+                raise not_written(final, error) from error
             if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
                 _remove(final)  # only a file is renamed over a file (atomically)
             if tmp.is_dir():
