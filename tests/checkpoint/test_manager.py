@@ -344,11 +344,28 @@ def _crash_then_resume_body(straight_dir, work_dir):
     checkpoints = Path(work_dir) / "checkpoints"
     after_crash = listing(checkpoints) if dist.is_main_process() else None
 
-    runner = _runner(work_dir, resume=True)
+    first_step = FirstStepListing()
+    runner = _runner(work_dir, resume=True, hooks=[first_step])
     runner.train()
     resumed_from = runner.iter
     runner.close()
-    return after_crash, resumed_from
+    return after_crash, resumed_from, first_step.seen
+
+
+class FirstStepListing:
+    """The checkpoints' directory as the first step of a run sees it."""
+
+    priority = 50
+
+    def __init__(self):
+        self.seen = None
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def before_train_iter(self, runner, batch_idx, batch):
+        if self.seen is None:
+            self.seen = listing(runner.checkpoints.directory)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -358,6 +375,8 @@ def test_resume_after_a_crash_during_a_save_uses_the_previous_checkpoint(run_on,
     results = run_on(world_size)(_crash_then_resume_body, str(straight), str(work_dir))
     assert results[0][0] == [".tmp-iter_4.pth", *hashed("iter_2.pth"), "last"]
     assert [r[1] for r in results] == [6] * world_size
+    # the resume removed the unfinished save before its first step (its room is back)
+    assert results[0][2] == [*hashed("iter_2.pth"), "last"]
     logged = loss_list(work_dir)
     # first run: steps 1..4 (it died saving after step 4); resumed from iter_2, which took
     # out the lines of steps 3 and 4 and logged them again: each step once

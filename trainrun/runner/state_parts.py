@@ -55,8 +55,10 @@ def train_state(runner: Runner) -> TrainState:
 
 def resume_run(runner: Runner, path: Path) -> None:
     """Put ``runner`` back where the checkpoint at ``path`` (verified) stopped: model,
-    optimiser and train state. Rank 0 then takes out of ``metrics.jsonl`` the lines that the
-    steps after the checkpoint logged, and marks the resume there. Every rank must call this.
+    optimiser and train state. Rank 0 first removes what a save the stopped run did not
+    finish left (the run directory is locked: nothing else writes there), and then takes out
+    of ``metrics.jsonl`` the lines that the steps after the checkpoint logged, and marks the
+    resume there. Every rank must call this.
 
     Args:
         runner: the runner, built.
@@ -65,6 +67,7 @@ def resume_run(runner: Runner, path: Path) -> None:
     Raises:
         ConfigError: its optimiser state does not fit this run's optimiser.
     """
+    runner.checkpoints.clean_partial()  # a save the stopped run did not finish: room back
     try:
         state = runner.strategy.load_checkpoint(str(path), runner.model, runner.optimizer)
     except OptimizerMismatch as error:
