@@ -294,6 +294,32 @@ def test_a_sharded_save_the_file_system_refuses_is_removed_on_every_rank(run_on,
         assert left == ["iter_1.pth", "last"]
 
 
+def _refused_background_body(work_dir, size):
+    """On every rank: ddp's background save iter_1, then iter_2 written with no file allowed
+    past ``size`` bytes (rank 0 writes the file); the error each rank got at ``finish``, and
+    the checkpoints' directory after it."""
+    strategy = DDPStrategy()
+    model, optimizer = strategy.setup(ToyModel(features=64, hidden=256), CPU,
+                                      lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    manager = CheckpointManager(Path(work_dir) / "checkpoints", strategy)
+    manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}}, background=True)
+    manager.finish()
+    with files_limited_to(size), pytest.raises(CheckpointNotWritten) as refused:
+        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}}, background=True)
+        manager.finish()
+    return str(refused.value), listing(manager.directory)
+
+
+def test_a_background_save_the_file_system_refuses_is_said_on_every_rank(run_on, tmp_path):
+    (message_0, left), (message_1, _) = run_on(2)(_refused_background_body, str(tmp_path), 8192)
+    assert message_0.startswith("checkpoint iter_2.pth not written: File too large ("), \
+        message_0
+    assert message_1.startswith("checkpoint iter_2.pth not written: another rank could not "
+                                "write its part ("), message_1
+    assert message_1.endswith("); iter_1.pth is still the newest"), message_1
+    assert left == [*hashed("iter_1.pth"), "last"]
+
+
 # ---------------------------------------------------------------- crash, then resume
 
 

@@ -121,17 +121,17 @@ def _root_cause(error: BaseException) -> BaseException:
 def _room(directory: Path) -> str:
     """How much room the file system of ``directory`` has left, in words."""
     try:
-        free = float(shutil.disk_usage(directory).free)
+        size = float(shutil.disk_usage(directory).free)
     except OSError:
-        return "its free space unknown"
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if free < 1024 or unit == "GiB":
-            return f"{free:.0f} {unit} free" if unit == "bytes" else f"{free:.1f} {unit} free"
-        free /= 1024
-    raise AssertionError("unreachable")
+        return "free space unknown"
+    units = ["bytes", "KiB", "MiB", "GiB", "TiB"]
+    unit = 0
+    while size >= 1024 and unit < len(units) - 1:
+        size, unit = size / 1024, unit + 1
+    return f"{size:.0f} bytes free" if unit == 0 else f"{size:.1f} {units[unit]} free"
 
 
-def not_written(final: Path, error: BaseException | None) -> CheckpointNotWritten:
+def _not_written(final: Path, error: BaseException | None) -> CheckpointNotWritten:
     """The error that says checkpoint ``final`` was not written because of ``error`` (None:
     another rank's part failed)."""
     if error is None:
@@ -214,14 +214,15 @@ class CheckpointManager:
             # DCP's error comes to every rank (it holds the failures of all): they clean up
             # together; a one-file checkpoint's writer fails alone
             self._discard_own(tmp, together=isinstance(getattr(error, "failures", None), dict))
-            raise not_written(final, error) from error
+            raise _not_written(final, error) from error
         self._publish(tmp, final, update_last, step, self._hash_own_files(tmp, final))
         return final
 
     def _discard_own(self, tmp: Path, together: bool = False) -> None:
         """Remove the files of the unfinished checkpoint ``tmp`` that this rank wrote; with
         ``together`` (every rank is here), then the rest of it. Whatever is left (a rank
-        that failed alone cannot wait for the others) goes at the next save."""
+        that failed alone cannot wait for the others) goes when the run resumes, or at the
+        next save (`clean_partial`)."""
         if tmp.exists():
             for path in self.strategy.own_files(tmp, get_rank()):
                 path.unlink(missing_ok=True)
@@ -280,7 +281,7 @@ class CheckpointManager:
         all_reduce(failed, op="max")
         if failed.item():
             self._discard_own(pending.tmp, together=True)
-            raise not_written(pending.final, error) from error
+            raise _not_written(pending.final, error) from error
         self._publish(pending.tmp, pending.final, pending.update_last, pending.step,
                       pending.future.result())
 
@@ -302,7 +303,7 @@ class CheckpointManager:
                 write_manifest(tmp, final, {k: v for part in every_rank for k, v in part.items()})
             except OSError as error:  # every rank's part is written: this rank removes it all
                 _remove(tmp)
-                raise not_written(final, error) from error
+                raise _not_written(final, error) from error
             if tmp.is_dir() or (final.is_dir() and not final.is_symlink()):
                 _remove(final)  # only a file is renamed over a file (atomically)
             if tmp.is_dir():
