@@ -19,13 +19,33 @@ import torch.distributed as torch_dist
 import trainrun.dist as dist
 import trainrun.dist.heartbeat as heartbeat_module
 from tests.cli import env
-from trainrun.dist.heartbeat import Beat, Heartbeat, describe, rank_list
+from trainrun.dist.heartbeat import Beat, Heartbeat, describe, one_line, rank_list
 
 
 def test_rank_lists_shorten_runs():
     assert rank_list([1]) == "rank 1"
     assert rank_list([0, 1]) == "ranks 0, 1"
     assert rank_list([5, 0, 1, 2, 7, 8, 9, 10]) == "ranks 0-2, 5, 7-10"
+
+
+class TruncatedImages(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise ValueError(f"sample {index}: image file is truncated")
+
+
+def test_a_failure_in_one_line_says_a_dataloader_workers_own_error():
+    """torch raises a worker's error again as "Caught ValueError in DataLoader worker process
+    0." with the worker's traceback below: the line a failed run ends with shows the worker's
+    own message instead (the line the heartbeat tells the other ranks, and the CLI's)."""
+    with pytest.raises(ValueError) as raised:
+        next(iter(torch.utils.data.DataLoader(TruncatedImages(), num_workers=1)))
+    assert str(raised.value).startswith("Caught ValueError in DataLoader worker process 0.")
+    assert one_line(raised.value) == \
+        "sample 0: image file is truncated (in DataLoader worker process 0)"
+    assert one_line(ValueError("the first line\nthe second")) == "the first line"
 
 
 def test_describe_names_the_silent_ranks_and_groups_the_others():

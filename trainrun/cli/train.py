@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from trainrun.cli import HelpFormatter, epilog, import_from_working_directory, prog
 from trainrun.cli.launch import launch_workers, leave_report
 from trainrun.dist import PeerFailure, end_within, infer_launcher, is_distributed
+from trainrun.dist.heartbeat import one_line
 from trainrun.dist.launch import STARTERS, DistInitError, launch_env, resolve_backend
 from trainrun.dist.timeouts import get_timeout
 from trainrun.exits import (
@@ -41,7 +42,7 @@ from trainrun.exits import (
     EXIT_USAGE,
     say_refusal,
 )
-from trainrun.messages import error_line, first_line
+from trainrun.messages import error_line
 from trainrun.runner.builder import check_types
 from trainrun.runner.config import (
     LAUNCHERS,
@@ -466,7 +467,7 @@ def _ending(error: BaseException, cfg: DictConfig, runner: Any) -> Ending:
         return Ending(EXIT_FAILED, f"error: {error}", said=error.said, peer=True)
     step = _step(error, runner)
     where = f"rank {_rank(cfg)}" + (f", step {step}" if step is not None else "")
-    return Ending(EXIT_FAILED, f"{where}: {type(error).__name__}: {first_line(error)}")
+    return Ending(EXIT_FAILED, f"{where}: {type(error).__name__}: {one_line(error)}")
 
 
 def _leave(ending: Ending) -> None:

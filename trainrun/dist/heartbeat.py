@@ -51,9 +51,21 @@ log = logging.getLogger("trainrun")
 RANK_LOST_EXIT = 1
 
 
+# torch's message for an error it raises again from another process (a DataLoader worker's):
+# "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback ...", the error's own
+# line last
+_RAISED_AGAIN = re.compile(r"^Caught \w+ (in [^\n]*?)\.?\nOriginal Traceback")
+
+
 def one_line(error: object) -> str:
-    """An error's message, its first line only: what a one-line report shows."""
-    return (str(error).strip().splitlines() or [""])[0]
+    """An error's message, its first line only: what a one-line report shows. For an error
+    torch raised again from a DataLoader worker, the worker's own message, and where."""
+    text = str(error).strip()
+    lines = text.splitlines() or [""]
+    again = _RAISED_AGAIN.match(text)
+    if again and ": " in lines[-1]:
+        return f"{lines[-1].split(': ', 1)[1]} ({again.group(1)})"
+    return lines[0]
 
 # ---------------------------------------------------------------- this rank's place
 
