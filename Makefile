@@ -18,7 +18,7 @@ train: setup
 
 # Two pytest workers: most tests wait on processes they started (6:35 instead of 9:05 on 2 cores
 # when the suite was smaller; a third worker gained 2 % on 2026-11-28). On 2 AMD EPYC cores
-# (2026-11-28): `make test` about 30 minutes, `make test-fast` 7:40 (1,472 of 1,613 tests).
+# (2026-11-28): `make test` about 30 minutes, `make test-fast` 7:40 (9 tests in 10).
 # --dist loadgroup: the tests sharing a trained run (tests/runs.py) go to one worker, which
 # trains it once
 PYTEST := $(PY) -m pytest -q -ra -n 2 --dist loadgroup --durations=25
