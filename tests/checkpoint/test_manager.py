@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import os
 import pickle
-import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 import trainrun.dist as dist
+from tests.limits import files_limited_to
 from tests.records import loss_list, records
 from tests.runner.toy import (
     CrashAfter,
@@ -223,19 +222,6 @@ def test_a_crash_between_the_manifest_and_its_checkpoint_leaves_no_orphan(tmp_pa
 
 
 # ---------------------------------------------------------------- a file system that refuses
-
-
-@contextmanager
-def files_limited_to(size: int):
-    """No file of this process grows past ``size`` bytes (RLIMIT_FSIZE) inside the block: a
-    write beyond it fails with EFBIG ("File too large"), as one on a full disk fails with
-    ENOSPC (Python ignores SIGXFSZ)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def test_a_save_the_file_system_refuses_leaves_nothing_and_says_why(tmp_path):

@@ -8,9 +8,11 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from tests.limits import files_limited_to
 from trainrun.checkpoint.files import TMP_PREFIX
 from trainrun.checkpoint.manager import CHECKPOINTS_DIR, LAST
 from trainrun.cli.sweep.status import LOG as SWEEP_LOG
@@ -143,6 +145,19 @@ def test_a_resume_into_a_new_directory_starts_its_metrics_with_the_mark(tmp_path
     path = tmp_path / "metrics.jsonl"
     assert MetricsFile(path).resume(10, "other/iter_10.pth") == 0
     assert _lines(path) == [{"step": 10, "mode": "resume", "from": "other/iter_10.pth"}]
+
+
+def test_a_line_the_disk_refuses_names_the_file(tmp_path):
+    """The OSError of a write names no file; the one raised names metrics.jsonl, and closing
+    the file after it (as a failing run does) raises nothing more."""
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsFile(path)
+    metrics.write({"step": 1, "loss": 1.0})
+    with files_limited_to(path.stat().st_size + 8), pytest.raises(OSError) as refused:
+        metrics.write({"step": 2, "loss": 0.5, "note": "x" * 200})
+    assert refused.value.filename == str(path)
+    assert str(refused.value).endswith(f": '{path}'")
+    metrics.close()
 
 
 def test_read_metrics_skips_a_line_cut_short_and_says_which(tmp_path):

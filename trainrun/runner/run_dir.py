@@ -389,7 +389,10 @@ class MetricsFile:
                     if f.read(1) != b"\n":
                         line = "\n" + line
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-        self._file.write(line)
+        try:
+            self._file.write(line)
+        except OSError as error:  # a full disk: say which file (the error names none)
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
 
     @master_only
     def resume(self, step: int, checkpoint: str | os.PathLike) -> int:
@@ -432,5 +435,8 @@ class MetricsFile:
     def close(self) -> None:
         """Close the file (the next line opens it again)."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:  # what a failed write left in the buffer (each line is flushed
+                pass  # as it is written): that write raised already
