@@ -51,3 +51,11 @@ def error_line(error: object) -> str:
     """A refusal as the command lines print it: ``error:`` and the message, its lines joined
     into one."""
     return "error: " + " ".join(str(error).split("\n"))
+
+
+def human(nbytes: float) -> str:
+    """Bytes in binary units: '512 B', '3.0 KiB', '1.6 GiB'."""
+    for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(nbytes) >= 2 ** power:
+            return f"{nbytes / 2 ** power:.1f} {unit}"
+    return f"{int(nbytes)} B"

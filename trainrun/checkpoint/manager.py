@@ -33,7 +33,7 @@ from trainrun.dist import (
     get_rank,
     is_main_process,
 )
-from trainrun.messages import first_line
+from trainrun.messages import first_line, human
 
 CHECKPOINTS_DIR = "checkpoints"  # where a run directory keeps its checkpoints (and LAST)
 LAST = "last"
@@ -121,14 +121,9 @@ def _root_cause(error: BaseException) -> BaseException:
 def _room(directory: Path) -> str:
     """How much room the file system of ``directory`` has left, in words."""
     try:
-        size = float(shutil.disk_usage(directory).free)
+        return f"{human(shutil.disk_usage(directory).free)} free"
     except OSError:
         return "free space unknown"
-    units = ["bytes", "KiB", "MiB", "GiB", "TiB"]
-    unit = 0
-    while size >= 1024 and unit < len(units) - 1:
-        size, unit = size / 1024, unit + 1
-    return f"{size:.0f} bytes free" if unit == 0 else f"{size:.1f} {units[unit]} free"
 
 
 def _not_written(final: Path, error: BaseException | None) -> CheckpointNotWritten:

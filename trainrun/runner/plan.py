@@ -28,7 +28,7 @@ from trainrun.dist.launch import (
     announced_world_size,
     resolve_backend,
 )
-from trainrun.messages import first_line, show
+from trainrun.messages import first_line, human, show
 from trainrun.registry import STRATEGIES, resolve
 from trainrun.runner.builder import build_metrics, build_model, check_batches, data_sections
 from trainrun.runner.config import dataset_kwargs
@@ -45,7 +45,7 @@ from trainrun.runner.optim.param_groups import uses_paramwise
 from trainrun.runner.optim.schedulers import check_floors
 from trainrun.runner.sampler import batches_per_epoch
 from trainrun.runner.schema import ConfigError
-from trainrun.wrappers.memory import KINDS, LABELS, StateBytes, human, param_specs
+from trainrun.wrappers.memory import KINDS, LABELS, StateBytes, param_specs
 
 
 def env_world_size(launcher: str) -> tuple[int, str]:

@@ -14,9 +14,10 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainrun.dist import is_distributed
+from trainrun.messages import human
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
-from trainrun.wrappers.memory import ParamSpec, StateBytes, human
+from trainrun.wrappers.memory import ParamSpec, StateBytes
 
 log = logging.getLogger("trainrun")
 

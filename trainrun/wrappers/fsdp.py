@@ -39,10 +39,11 @@ from trainrun.checkpoint.train_state import TRAIN_STATE
 from trainrun.dist import barrier, get_local_size, get_world_size, is_distributed, is_main_process
 from trainrun.dist.device import DTYPE_ALIASES, DTYPES
 from trainrun.dist.timeouts import get_timeout
+from trainrun.messages import human
 from trainrun.registry import FORMATS
 from trainrun.wrappers.base import MakeOptimizer, Optimizers, Strategy, compile_module
 from trainrun.wrappers.base_model import loss_step
-from trainrun.wrappers.memory import ParamSpec, StateBytes, human, replicated
+from trainrun.wrappers.memory import ParamSpec, StateBytes, replicated
 from trainrun.wrappers.pipeline import (
     Pipeline,
     check_model_parallel,

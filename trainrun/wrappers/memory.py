@@ -168,11 +168,3 @@ def optimizer_tensors(optimizer: object) -> list[Tensor]:
     return [value for one in optimizers if one is not None
             for state in one.state.values() for value in state.values()
             if isinstance(value, Tensor) and value.dim() > 0]
-
-
-def human(nbytes: float) -> str:
-    """Bytes in binary units: '512 B', '3.0 KiB', '1.6 GiB'."""
-    for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(nbytes) >= 2 ** power:
-            return f"{nbytes / 2 ** power:.1f} {unit}"
-    return f"{int(nbytes)} B"
