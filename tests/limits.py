@@ -9,12 +9,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+def limit_files_to(size: int) -> None:
+    """From now on, no file of this process (or of a process it starts) grows past ``size``
+    bytes; also a ``preexec_fn`` for a child that should start so."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 @contextmanager
 def files_limited_to(size: int) -> Iterator[None]:
     """No file of this process grows past ``size`` bytes inside the block."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limit_files_to(size)
     try:
         yield
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        limit_files_to(soft)

@@ -254,18 +254,24 @@ def test_a_failure_that_is_not_the_file_systems_is_raised_as_it_is(tmp_path, mon
         manager.save("iter_1", model, optimizer, {})
 
 
-def _refused_sharded_body(work_dir, size):
-    """On every rank: fsdp's DCP checkpoint iter_1, then iter_2 with no file allowed past
-    ``size`` bytes; the error each rank got, and the checkpoints' directory after it. (Each
-    rank's shard, 34 KB, is refused; rank 0's train state, about 1 KB, is not: a rank that
-    failed alone would leave the others waiting, which the heartbeat ends in a real job.)"""
-    strategy = FSDPStrategy()
+REFUSED_AT = 8192  # bytes a file may hold in these tests: each rank's 34 KB part is refused
+
+
+def _refused_save_body(work_dir, strategy, background):
+    """On every rank: checkpoint iter_1 under ``strategy`` ('ddp' or 'fsdp'), then iter_2
+    (in the background, and finished, with ``background``) with no file allowed past
+    ``REFUSED_AT`` bytes; the error each rank got, and the checkpoints' directory after it.
+    Rank 0's train state in fsdp's directory (about 1 KB) is not refused: a rank that
+    failed alone would leave the others waiting, which the heartbeat ends in a real job."""
+    strategy = FSDPStrategy() if strategy == "fsdp" else DDPStrategy()
     model, optimizer = strategy.setup(ToyModel(features=64, hidden=256), CPU,
                                       lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     manager = CheckpointManager(Path(work_dir) / "checkpoints", strategy)
-    manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}})
-    with files_limited_to(size), pytest.raises(CheckpointNotWritten) as refused:
-        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}})
+    manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}}, background=background)
+    manager.finish()
+    with files_limited_to(REFUSED_AT), pytest.raises(CheckpointNotWritten) as refused:
+        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}}, background=background)
+        manager.finish()
     dist.barrier()  # rank 0 removes the directory last
     return str(refused.value), listing(manager.directory)
 
@@ -273,31 +279,18 @@ def _refused_sharded_body(work_dir, size):
 def test_a_sharded_save_the_file_system_refuses_is_removed_on_every_rank(run_on, tmp_path):
     """DCP gathers the ranks' failures into one error on every rank: each names the OSError
     inside it, and the ranks remove the unfinished directory together."""
-    for message, left in run_on(2)(_refused_sharded_body, str(tmp_path), 8192):
+    for message, left in run_on(2)(_refused_save_body, str(tmp_path), "fsdp", False):
         assert message.startswith("checkpoint iter_2.pth not written: File too large ("), \
             message
         assert message.endswith("); iter_1.pth is still the newest"), message
         assert left == ["iter_1.pth", "last"]
 
 
-def _refused_background_body(work_dir, size):
-    """On every rank: ddp's background save iter_1, then iter_2 written with no file allowed
-    past ``size`` bytes (rank 0 writes the file); the error each rank got at ``finish``, and
-    the checkpoints' directory after it."""
-    strategy = DDPStrategy()
-    model, optimizer = strategy.setup(ToyModel(features=64, hidden=256), CPU,
-                                      lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
-    manager = CheckpointManager(Path(work_dir) / "checkpoints", strategy)
-    manager.save("iter_1", model, optimizer, {"meta": {"iter": 1}}, background=True)
-    manager.finish()
-    with files_limited_to(size), pytest.raises(CheckpointNotWritten) as refused:
-        manager.save("iter_2", model, optimizer, {"meta": {"iter": 2}}, background=True)
-        manager.finish()
-    return str(refused.value), listing(manager.directory)
-
-
 def test_a_background_save_the_file_system_refuses_is_said_on_every_rank(run_on, tmp_path):
-    (message_0, left), (message_1, _) = run_on(2)(_refused_background_body, str(tmp_path), 8192)
+    """ddp's background save (rank 0 writes the file): rank 0 names the OSError, rank 1 says
+    another rank's part failed, and the save's file is gone."""
+    (message_0, left), (message_1, _) = run_on(2)(_refused_save_body, str(tmp_path), "ddp",
+                                                  True)
     assert message_0.startswith("checkpoint iter_2.pth not written: File too large ("), \
         message_0
     assert message_1.startswith("checkpoint iter_2.pth not written: another rank could not "

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ from tests.cli import (
     torchrun,
     worker_pid,
 )
+from tests.limits import limit_files_to
 from tests.records import train_records
 from tests.slurm_cluster import client_env
 from trainrun.checkpoint.manifest import verify_checkpoint
@@ -113,22 +114,16 @@ def test_a_failing_rank_stops_every_rank_at_once_with_its_error(tmp_path):
     assert done.stderr.count("training failed at step") == 1, done.stderr[-3000:]  # rank 1
 
 
-def _files_up_to_128_kib() -> None:
-    """In the child, before it runs: no file may grow past 128 KiB (digits' checkpoint is
-    250 KiB), as if the disk were full (a refused write is EFBIG here, not ENOSPC)."""
-    resource.setrlimit(resource.RLIMIT_FSIZE,
-                       (128 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-
 @pytest.mark.slow
 def test_a_checkpoint_the_file_system_refuses_ends_the_job_saying_why(tmp_path):
-    """Rank 0 cannot write epoch_1 (rank 0 writes ddp's checkpoint): it says why in one line
-    (not torch's "unexpected pos"), rank 1 stops with rank 0's words, and nothing
-    half-written is left in checkpoints/."""
+    """No file may grow past 128 KiB (digits' checkpoint is 250 KiB), as if the disk were full
+    (a refused write is EFBIG here, not ENOSPC). Rank 0 cannot write epoch_1 (rank 0 writes
+    ddp's checkpoint): it says why in one line (not torch's "unexpected pos"), rank 1 stops
+    with rank 0's words, and nothing half-written is left in checkpoints/."""
     done = subprocess.run(torchrun(str(CONFIG), "--launcher", "pytorch", "--work-dir",
                                    str(tmp_path), "--cfg-options", *SHORT, "dist_timeout=120"),
                           capture_output=True, text=True, timeout=180, env=env(),
-                          preexec_fn=_files_up_to_128_kib)
+                          preexec_fn=partial(limit_files_to, 128 * 1024))
     assert done.returncode == 1, done.stderr[-3000:]
     said = re.findall(r"^rank 0, step \d+: CheckpointNotWritten: (.*)$", done.stderr, re.M)
     assert said, done.stderr[-3000:]
