@@ -24,8 +24,10 @@ DIGITS = TINYLM.with_name("digits_ddp.yaml")
 # tp against ddp, measured (2026-11-27, torch 2.13 CPU): steps 1-8 agree within 5e-6; the
 # loss jumps at step 9 (gradient norm 20, clipped to 1), which magnifies the last-bit
 # differences of split sums to 8e-4 there; after it, up to 4e-4 (fsdp against ddp: 4e-5).
-# pp=2 against ddp (2026-11-28): within 3e-6 to step 8, 4.6e-4 at step 9
-BEFORE_THE_JUMP, TOLERANCE = 1e-5, 1e-3
+# pp=2 against ddp (2026-11-28): within 3e-6 to step 8, 4.6e-4 at step 9.
+# On another CPU (2026-12-07, AMD EPYC family 25 model 17; the same commit) tp gave 1.6e-5 at
+# step 8 and 2.7e-3 at step 9 (pp: 2.4e-7 and 4.9e-5): the bounds hold both machines' figures
+BEFORE_THE_JUMP, TOLERANCE = 5e-5, 5e-3
 SOURCES = pytest.mark.parametrize("source", ["tp", "pp"], ids=["tp=2", "pp=2"])
 
 
