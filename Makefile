@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/inductor_cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup train test test-fast docs docs-check bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat lint
+.PHONY: setup train test test-fast docs docs-check bench bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat bench-guard lint
 
 setup:
 	@bash tools/bootstrap.sh
@@ -45,7 +45,7 @@ docs: setup
 docs-check: docs
 	$(PY) tools/docs_check.py site
 
-bench: bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat
+bench: bench-collectives bench-runner bench-memory bench-checkpoint bench-compile bench-heartbeat bench-guard
 
 bench-collectives: setup
 	@bash bench/run_collectives.sh
@@ -64,6 +64,9 @@ bench-compile: setup
 
 bench-heartbeat: setup
 	OMP_NUM_THREADS=1 $(PY) bench/heartbeat_scale.py
+
+bench-guard: setup
+	OMP_NUM_THREADS=1 $(PY) bench/guard.py
 
 lint: setup
 	$(VENV)/bin/ruff check trainrun tests tools bench

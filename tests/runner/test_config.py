@@ -69,9 +69,11 @@ def test_minimal_config_gets_every_default(tmp_path):
                                  "val_begin": 1}
     assert plain["randomness"] == {"seed": 42, "deterministic": False, "diff_rank_seed": False}
     assert plain["logging"] == {"interval": 10, "backends": ["console", "jsonl"],
-                                "step_metrics": True, "window": 1}
+                                "step_metrics": True, "window": 1, "straggler_floor": 0.01}
     assert plain["checkpoint"] == {"interval": 1, "max_keep": 3, "save_last": True,
                                    "save_best": None, "best_rule": None, "async": False}
+    assert plain["guard"] == {"nonfinite": "stop", "spike": None, "skip_batches": 200,
+                              "max_rollbacks": 3}
     assert plain["resume"] is False
     assert plain["load_from"] is None
 

@@ -189,8 +189,8 @@ def test_priority_from_the_config_places_the_hook(tmp_path):
     runner = _runner(tmp_path, [{"type": COUNTER, "priority": "before_logger"},
                                 {"type": "EarlyStopping", "metric": "mse"}])
     assert [type(h).__name__ for h in runner.hooks] == [
-        "IterTimerHook", "CountingHook", "LoggerHook", "ValidationHook", "EarlyStoppingHook",
-        "CheckpointHook", "PreemptionHook"]
+        "IterTimerHook", "CountingHook", "LoggerHook", "GuardHook", "ValidationHook",
+        "EarlyStoppingHook", "CheckpointHook", "PreemptionHook"]
     runner.close()
 
 

@@ -218,5 +218,5 @@ class Mine(Hook):
 def test_after_a_step_the_hooks_run_in_the_order_hooks_base_states(tmp_path):
     with _runner(tmp_path, max_iters=4, hooks=[Mine()]) as runner:
         order = [type(hook).__name__ for hook in runner.hooks]
-    assert order == ["IterTimerHook", "LoggerHook", "ValidationHook", "Mine", "CheckpointHook",
-                     "PreemptionHook"]
+    assert order == ["IterTimerHook", "LoggerHook", "GuardHook", "ValidationHook", "Mine",
+                     "CheckpointHook", "PreemptionHook"]

@@ -55,6 +55,37 @@ class ToyModel(BaseModel):
         return {"loss": error.mean()} if mode == "loss" else error
 
 
+class StackToy(BaseModel):
+    """``ToyModel``'s task through a stack of blocks that pipeline parallelism can cut
+    (``strategy.pp``; the protocol is trainrun/wrappers/pipeline.py's)."""
+
+    pp_blocks = "blocks"
+
+    def __init__(self, features: int = 4, hidden: int = 16, depth: int = 2, dropout: float = 0.0):
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.ReLU(), nn.Dropout(dropout),
+                                                    nn.Linear(hidden, hidden))
+                                      for _ in range(depth)))
+        self.out = nn.Linear(hidden, 1)
+
+    def pp_inputs(self, batch):
+        return batch["inputs"]
+
+    def pp_forward(self, x):
+        if self.inp is not None:
+            x = self.inp(x)
+        x = self.blocks(x)
+        return self.out(x).squeeze(-1) if self.out is not None else x
+
+    def pp_outputs(self, prediction, batch, mode):
+        error = (prediction - batch["targets"]) ** 2
+        return {"loss": error.mean()} if mode == "loss" else error
+
+    def forward(self, batch, mode="loss"):
+        return self.pp_outputs(self.pp_forward(self.pp_inputs(batch)), batch, mode)
+
+
 class NormToy(BaseModel):
     """``ToyModel``'s shape with a LayerNorm between its layers (the paramwise
     tests' model: in process and on 2 ranks)."""
@@ -212,3 +243,51 @@ def write_crafted_checkpoint(path, marker, raw_pickle: bool = False) -> None:
             pickle.dump(state, f, protocol=2)
     else:
         torch.save(state, path)
+
+
+class PoisonedRegression(ToyRegression):
+    """``ToyRegression`` whose samples at ``bad`` hold a target of ``target`` (nan: the loss
+    of the step that trains one is nan; a large number: that step's loss spikes), as a user's
+    damaged data does at a known step (without shuffling, index // global batch + 1)."""
+
+    def __init__(self, bad: list[int] = (), target: float = float("nan"), **kwargs):
+        super().__init__(**kwargs)
+        for index in bad:
+            self.y[index] = target
+
+
+def nonfinite_in(checkpoint: Path) -> list[str]:
+    """Where a checkpoint (a torch file, or a directory of them: DCP's converted to one
+    first, DeepSpeed's read file by file) holds a floating-point tensor that is not all
+    finite: each such tensor's file and place; none for a good checkpoint."""
+    import math
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def walk(value: Any, where: str) -> list[str]:
+        if isinstance(value, torch.Tensor):
+            bad = value.is_floating_point() and not bool(torch.isfinite(value).all())
+            return [where] if bad else []
+        if isinstance(value, float):
+            return [] if math.isfinite(value) else [where]
+        if isinstance(value, dict):
+            return [found for key, item in value.items() for found in walk(item, f"{where}.{key}")]
+        if isinstance(value, (list, tuple)):
+            return [found for i, item in enumerate(value) for found in walk(item, f"{where}[{i}]")]
+        return []
+
+    def tensors_of(path: Path) -> Any:
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+    found: list[str] = []
+    if checkpoint.is_file():
+        return walk(tensors_of(checkpoint), checkpoint.name)
+    if any(checkpoint.glob("*.distcp")):
+        with tempfile.TemporaryDirectory() as tmp:
+            whole = Path(tmp) / "whole.pt"
+            dcp_to_torch_save(checkpoint, whole)
+            found += walk(tensors_of(whole), checkpoint.name)
+    for file in sorted(checkpoint.rglob("*.pt")):
+        found += walk(tensors_of(file), str(file.relative_to(checkpoint)))
+    return found

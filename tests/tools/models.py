@@ -92,6 +92,18 @@ class NoisyDigits(DigitsDataset):
         return {**item, "inputs": item["inputs"] + self.noise * noise}
 
 
+class DamagedDigits(DigitsDataset):
+    """The digits whose samples at ``bad`` (indices into the split) are damaged: their
+    pixels are nan, as a user's broken images are, so the step that trains one has a nan
+    loss (without shuffling, on one process, step index // batch size + 1)."""
+
+    def __init__(self, bad: list[int] = (), **kwargs):
+        super().__init__(**kwargs)
+        self.inputs = self.inputs.clone()
+        for index in bad:
+            self.inputs[index] = float("nan")
+
+
 class CountingHook(Hook):
     """A user's hook with state of each rank's own: it counts the training steps it saw,
     ``weight`` times (rank + 1) each, and at the end writes ``hook_rank<r>.json`` (the step

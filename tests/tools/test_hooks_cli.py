@@ -105,9 +105,9 @@ def test_the_dry_run_lists_the_hooks_in_the_order_they_run(capsys, clean_env):
     assert code == 0
     (line,) = [line for line in out.splitlines() if line.strip().startswith("hooks")]
     assert line.split(None, 1)[1] == (
-        "timer [10], logger [20], EarlyStopping (metric=accuracy, rule=greater, patience=5, "
-        "min_delta=0.0) [39], validation [40], checkpoint [60], preemption [70], Profiler "
-        "(wait=1, warmup=1, active=2, repeat=1, ranks=[0, 1], record_shapes=false, "
+        "timer [10], logger [20], guard [30], EarlyStopping (metric=accuracy, rule=greater, "
+        "patience=5, min_delta=0.0) [39], validation [40], checkpoint [60], preemption [70], "
+        "Profiler (wait=1, warmup=1, active=2, repeat=1, ranks=[0, 1], record_shapes=false, "
         "profile_memory=false, with_stack=false) [80]")
 
 

@@ -162,6 +162,9 @@ class CheckpointManager:
         self.suffix = suffix
         self._pending: _PendingSave | None = None  # a background save not yet published
         self.last_saved: Path | None = None  # the newest save asked for (maybe still writing)
+        # (path, step) of the newest checkpoint this run stands on: published by it with
+        # ``last`` pointed at it, or the one it resumed from
+        self.published: tuple[Path, int] | None = None
 
     def clean_partial(self) -> None:
         """Remove what a crash during a save left behind (rank 0; call before saving): what
@@ -310,6 +313,7 @@ class CheckpointManager:
                 self._prune(final.name)
         barrier()
         if update_last:
+            self.published = (final, step)
             at_checkpoint(final.name, step)
 
     def remove(self, path: Path) -> None:

@@ -49,6 +49,7 @@ from trainrun.runner.config import (
     ConfigError,
     load_config,
 )
+from trainrun.runner.hooks.guard import GuardStop
 from trainrun.runner.plan import describe_plan, env_rank, make_plan
 from trainrun.runner.preemption import Preempted
 from trainrun.runner.run_dir import RunDir, TestDir, run_owning
@@ -446,12 +447,14 @@ def _step(error: BaseException, runner: Any) -> int | None:
 class Ending:
     """How a run ended: the exit code and the one line this process says last (None where
     another rank says it). ``said``: the heartbeat has said it already; ``peer``: another
-    rank's failure stopped this one (that rank's own line names the cause)."""
+    rank's failure stopped this one (that rank's own line names the cause); ``agreed``: every
+    rank ended the same way at the same step, and rank 0 says it."""
 
     code: int
     line: str | None = None
     said: bool = False
     peer: bool = False
+    agreed: bool = False  # every rank ended alike (the guard's stop): rank 0 says it
 
 
 def _ending(error: BaseException, cfg: DictConfig, runner: Any) -> Ending:
@@ -463,6 +466,9 @@ def _ending(error: BaseException, cfg: DictConfig, runner: Any) -> Ending:
         return Ending(EXIT_PREEMPTED, f"preempted: {error}" if first else None)
     if isinstance(error, KeyboardInterrupt):
         return Ending(EXIT_INTERRUPTED, f"rank {_rank(cfg)}: interrupted")
+    if isinstance(error, GuardStop):  # every rank stopped at the same step: rank 0 says it
+        return Ending(EXIT_FAILED, f"rank {error.rank}, step {error.step}: GuardStop: "
+                      f"{error.detail}" if first else None, agreed=True)
     if isinstance(error, PeerFailure):  # one line for the job, from one rank; no traceback
         return Ending(EXIT_FAILED, f"error: {error}", said=error.said, peer=True)
     step = _step(error, runner)
@@ -478,10 +484,10 @@ def _end(ending: Ending, error: BaseException, runner: Any) -> int:
     """Say how the run ended (a failure's traceback first, where the runner did not log
     it); returns the exit code."""
     _leave(ending)
-    if ending.code == EXIT_FAILED and not ending.peer and \
+    if ending.code == EXIT_FAILED and not (ending.peer or ending.agreed) and \
             getattr(runner, "failed_at_step", None) is None:
         traceback.print_exception(error, file=sys.stderr)
-    if ending.code == EXIT_USAGE:  # every rank found it; rank 0 says it
+    if ending.code == EXIT_USAGE or ending.agreed:  # every rank found it; rank 0 says it
         say_refusal(ending.line)
     elif ending.line and not ending.said:
         _print_to_stderr(ending.line)

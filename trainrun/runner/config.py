@@ -30,6 +30,7 @@ from trainrun.runner.builder import LOADER_KEYS as LOADER_KEYS  # re-exported
 from trainrun.runner.builder import LOADER_OPTIONS, check_data, check_model_section
 from trainrun.runner.hooks.checkpoint import check_best_metric, check_checkpoint_section
 from trainrun.runner.hooks.from_config import check_hooks
+from trainrun.runner.hooks.guard import check_guard
 from trainrun.runner.hooks.logger import check_logging
 from trainrun.runner.inherit import MARKERS, read_with_bases
 from trainrun.runner.loops import check_schedule
@@ -164,6 +165,8 @@ def top_level(mode: str, warnings: list[str]) -> Fields:
                                      partial(check_checkpoint_section, warnings=warnings)),
                        "when checkpoints are written and how many are kept"),
         "preemption": (None, check_preemption, "which signals stop training with a checkpoint"),
+        "guard": (None, check_guard, "what a run that goes wrong numerically (a value that is "
+                  "not finite, a loss spike) makes training do"),
         "hooks": ([], expects("a list of mappings", partial(check_hooks, warnings=warnings)),
                   "more hooks: a list of {type: ..., options}"),
         "resume": (False, check_resume,

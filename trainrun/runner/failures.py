@@ -2,7 +2,8 @@
 
 A failure of this rank's own is logged with the rank and the step and told to the other ranks
 (through the heartbeat, which explains it to them); a failed collective is explained in the
-heartbeat's words (another rank failed or went silent) as a `PeerFailure`. Every hook's
+heartbeat's words (another rank failed or went silent) as a `PeerFailure`. A stop every rank
+makes at the same step (a stop signal, the guard's) is told to no one. Every hook's
 ``on_error`` runs before the failure goes on.
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from trainrun.dist import PeerFailure, is_comm_error
 from trainrun.dist.heartbeat import Heartbeat, error_sentence, is_connection_lost
+from trainrun.runner.hooks.guard import GuardStop
 from trainrun.runner.preemption import Preempted
 
 if TYPE_CHECKING:
@@ -33,6 +35,9 @@ def training_failures(runner: Runner, heartbeat: Heartbeat | None) -> Iterator[N
     try:
         yield
     except Preempted as stop:
+        hooks_on_error(runner, stop)
+        raise
+    except GuardStop as stop:  # every rank stops at the same step: nothing to tell
         hooks_on_error(runner, stop)
         raise
     except BaseException as error:

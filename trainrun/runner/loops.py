@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from trainrun.dist import at_step, phase, report_place, set_phase
 from trainrun.dist.device import autocast_dtype
+from trainrun.runner.hooks.guard import RollBack
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.schema import ConfigError, fields, integer, nullable
 from trainrun.runner.stream import is_sized, is_stream
@@ -74,6 +75,7 @@ class TrainLoop:
         self.resume_mid_epoch = False  # set when a checkpoint stopped inside an epoch
         self.inside_epoch = False  # an epoch is begun and not yet counted as finished
         self.epoch_steps = len(dataloader) if is_sized(dataloader) else 0  # a whole epoch's
+        self.skip = 0  # batches to pass over untrained (after a rollback)
 
     def steps_left(self) -> int:
         """The steps a run that counts epochs has still to train: the rest of the epoch it
@@ -90,14 +92,22 @@ class TrainLoop:
         return len(self.dataloader) + max(whole - 1, 0) * self.epoch_steps
 
     def run(self) -> None:
+        """Train to the end of the schedule. Where the guard rolls back (`RollBack`, raised
+        on every rank at the same point), the runner goes back to its newest checkpoint and
+        the loop trains on from there, past the batches the rollback skips."""
         runner = self.runner
         runner.call_hook("before_train")
-        while not runner.train_done():
-            self.run_epoch()
-        at_step(runner.iter, done=runner.iter)  # the last step, not one after it
-        set_phase("after_train hooks")
-        report_place()  # where the job would end if this rank hung now
-        runner.call_hook("after_train")
+        while True:
+            try:
+                while not runner.train_done():
+                    self.run_epoch()
+                at_step(runner.iter, done=runner.iter)  # the last step, not one after it
+                set_phase("after_train hooks")
+                report_place()  # where the job would end if this rank hung now
+                runner.call_hook("after_train")  # (its last checkpoint may roll back too)
+                return
+            except RollBack as back:
+                self.skip = runner.roll_back(back.event)
 
     def run_epoch(self) -> None:
         """One epoch, or what is left of it. A step, top to bottom: the ``before_train_iter``
@@ -112,6 +122,8 @@ class TrainLoop:
         self.resume_mid_epoch = False
         sampler = loader.sampler
         resumable = isinstance(sampler, ResumableSampler)  # it keeps where the epoch is
+        if resumable and self.skip:  # a rollback's skip: the cursor moves, nothing is loaded
+            self._skip_in_epoch(sampler)
         runner.call_hook("before_train_epoch")
         self.inside_epoch = True
         # a step's hooks, those of runner.hooks now (a hook added in an epoch runs from the next)
@@ -122,6 +134,9 @@ class TrainLoop:
         at_step(runner.iter + 1)
         set_phase("data loading")
         for batch_idx, batch in enumerate(pass_over(loader, resumed)):
+            if self.skip:  # a rollback's skip, where only loading the batches passes them
+                self.skip -= 1
+                continue
             set_phase("hooks")
             for hook in before_iter:
                 hook(runner, batch_idx, batch)
@@ -151,6 +166,14 @@ class TrainLoop:
             runner.epoch += 1
             self.inside_epoch = False
             runner.call_hook("after_train_epoch")
+
+    def _skip_in_epoch(self, sampler: ResumableSampler) -> None:
+        """Move ``sampler`` past as many of the batches to skip as this epoch has left."""
+        batch_size = self.dataloader.batch_size or 1
+        passed = min(self.skip, len(self.dataloader))
+        for _ in range(passed):
+            sampler.trained(batch_size)
+        self.skip -= passed
 
 
 class EvalLoop:

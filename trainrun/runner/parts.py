@@ -64,6 +64,7 @@ def runner_arguments(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         logging=plain["logging"],
         checkpoint=plain["checkpoint"],
         preemption=plain["preemption"],
+        guard=plain.get("guard"),
         hooks=plain.get("hooks") or [],
         resume=plain["resume"],
         load_from=plain["load_from"],
@@ -280,11 +281,15 @@ class PartBuilder:
     def hooks(self, extra: Sequence[Hook], logging: dict[str, Any], checkpoint: dict[str, Any],
               val_interval: int, val_begin: int = 1) -> list[Hook]:
         """Every hook of the run in the order they run (by ``priority``): the built-in ones
-        (the runner's timer, logging, validation, checkpoints, preemption) and ``extra``."""
+        (the runner's timer, logging, its guard, validation, checkpoints, preemption) and
+        ``extra``."""
         runner = self.runner
         hooks: list[Hook] = [runner.timer, LoggerHook(logging["interval"], logging["backends"],
                                                       step_metrics=logging["step_metrics"],
-                                                      window=logging["window"])]
+                                                      window=logging["window"],
+                                                      straggler_floor=logging["straggler_floor"])]
+        if runner.guard is not None:
+            hooks.append(runner.guard)
         if runner.val_dataloader is not None:
             hooks.append(ValidationHook(val_interval, val_begin))
         if runner.train_dataloader is not None:

@@ -34,6 +34,7 @@ from trainrun.runner.builder import build_metrics, build_model, check_batches, d
 from trainrun.runner.config import dataset_kwargs
 from trainrun.runner.hooks.base import SLOTS
 from trainrun.runner.hooks.from_config import build_hook, check_built_hook, planned_order
+from trainrun.runner.hooks.guard import check_guard
 from trainrun.runner.optim.factory import (
     GROUP_KEYS,
     WRAPPER_KEYS,
@@ -470,9 +471,25 @@ def _checkpoints(cfg: Mapping[str, Any]) -> str:
     return f"{every}, keep {keep}, save last: {_show(ckpt['save_last'])}, {best}"
 
 
+def _guard(cfg: Mapping[str, Any]) -> str:
+    """What a run that goes wrong numerically makes training do (the ``guard`` section)."""
+    guard = check_guard("guard", cfg.get("guard"))
+    rolls = guard["nonfinite"] == "rollback" or (guard["spike"] or {}).get("action") == \
+        "rollback"
+    spike = guard["spike"]
+    text = f"nonfinite: {guard['nonfinite']}; spike: " + (
+        f"above {spike['factor']:g} x the median of {spike['window']} steps: "
+        f"{spike['action']}" if spike else "off")
+    if rolls:
+        text += (f"; a rollback skips {guard['skip_batches']} batches past the bad one, "
+                 f"{guard['max_rollbacks']} in a row at most")
+    return text
+
+
 def _hooks(cfg: Mapping[str, Any]) -> str:
     """Every hook in the order it runs (built-in ones by their slot's name)."""
-    builtin = [name for name in ("timer", "logger", "validation", "checkpoint", "preemption")
+    builtin = [name for name in ("timer", "logger", "guard", "validation", "checkpoint",
+                                 "preemption")
                if name != "validation" or cfg["data"]["val"] is not None]
     rows = planned_order([(name, SLOTS[name]) for name in builtin], cfg.get("hooks") or [])
     return ", ".join(f"{_with_options(item)} [{number}]" for number, item in rows)
@@ -524,6 +541,7 @@ def describe_plan(cfg: DictConfig | Mapping[str, Any], world_size: int | None = 
         ("compile", _compile(cfg)),
         ("seed", _options(cfg["randomness"])),
         ("checkpoints", _checkpoints(cfg)),
+        ("guard", _guard(cfg)),
         ("hooks", _hooks(cfg)),
         ("resume", _resume(cfg["resume"])),
         ("load_from", cfg["load_from"] or "none"),

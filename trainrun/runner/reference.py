@@ -22,6 +22,7 @@ from trainrun.runner.builder import loader_table
 from trainrun.runner.config import COMPILE, LAUNCH_KEYS, top_level
 from trainrun.runner.hooks.checkpoint import CHECKPOINT
 from trainrun.runner.hooks.from_config import ITEM
+from trainrun.runner.hooks.guard import GUARD_KEYS, SPIKE
 from trainrun.runner.hooks.logger import LOGGING
 from trainrun.runner.loops import SCHEDULE
 from trainrun.runner.optim.factory import optimizer_arguments
@@ -143,6 +144,12 @@ def plain_sections() -> list[Section]:
                 "many are kept.", table_entries("checkpoint", CHECKPOINT)),
         Section(anchor("preemption"), "preemption", "Which signals stop training at a step "
                 "boundary with a checkpoint.", table_entries("preemption", PREEMPTION_KEYS)),
+        Section(anchor("guard"), "guard", "What a run that goes wrong numerically makes "
+                "training do; see the page on runs that go wrong.",
+                table_entries("guard", GUARD_KEYS)),
+        Section(anchor("guard", "spike"), "guard.spike", "`spike: {}` watches for spikes "
+                "with every default below; `spike: null` (the default) does not.",
+                table_entries("guard.spike", SPIKE)),
     ]
 
 
@@ -351,6 +358,8 @@ def where_documented(key: str, cfg: Mapping[str, Any]) -> str | None:
         index = int(head[len("hooks["):-1])
         candidates = [anchor("hooks"), anchor("hooks", str(cfg["hooks"][index]["type"]))]
         key = f"hooks[].{rest}"
+    elif head == "guard":
+        candidates = [anchor("guard", "spike"), anchor("guard")]
     elif head in PLAIN_SECTIONS:
         candidates = [anchor(head)]
     else:

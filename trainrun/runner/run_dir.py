@@ -395,7 +395,8 @@ class MetricsFile:
             raise OSError(error.errno, error.strerror, str(self.path)) from error
 
     @master_only
-    def resume(self, step: int, checkpoint: str | os.PathLike) -> int:
+    def resume(self, step: int, checkpoint: str | os.PathLike,
+               mark: dict[str, Any] | None = None) -> int:
         """Before a run resumed from ``checkpoint`` (the state after ``step`` steps) appends:
         drop the lines logged after that step, and mark the resume.
 
@@ -403,12 +404,14 @@ class MetricsFile:
         lines of that step; a line without a step belongs to the step of the line before
         it); what later steps logged goes, with any line that is not JSON (cut short by a
         kill). The mark, ``{"step": step, "mode": "resume", "from": checkpoint}``, ends the
-        file. The new file is written aside and renamed over the old one: a crash leaves one
-        or the other. Rank 0 only (a no-op elsewhere).
+        file (a rollback's ``mark`` instead: `trainrun.runner.hooks.guard`). The new file is
+        written aside and renamed over the old one: a crash leaves one or the other. Rank 0
+        only (a no-op elsewhere).
 
         Args:
             step: the steps the checkpoint had trained.
             checkpoint: the checkpoint resumed from.
+            mark: the record that ends the file; None: the resume's.
 
         Returns:
             How many lines were dropped.
@@ -427,7 +430,8 @@ class MetricsFile:
                     dropped += 1
                     continue
                 kept.append(line + "\n")
-        kept.append(json.dumps({"step": step, "mode": RESUME, "from": str(checkpoint)}) + "\n")
+        mark = mark or {"step": step, "mode": RESUME, "from": str(checkpoint)}
+        kept.append(json.dumps({key: _plain(value) for key, value in mark.items()}) + "\n")
         with replacing(self.path) as tmp:
             tmp.write_text("".join(kept), encoding="utf-8")
         return dropped

@@ -45,6 +45,7 @@ from trainrun.runner.config import (
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.failures import failures_told, training_failures
 from trainrun.runner.hooks import Hook, IterTimerHook
+from trainrun.runner.hooks.guard import Event, GuardHook, GuardStop, check_guard
 from trainrun.runner.hooks.logger import LoggerHook, check_logging
 from trainrun.runner.lock import RunLock
 from trainrun.runner.logging import attach_log_file, log_restart, setup_logging
@@ -154,6 +155,9 @@ class Runner:
             ``save_best``, ...); None: the defaults.
         preemption: the ``preemption`` section: the signals that stop training at a step
             boundary with a checkpoint; None: the defaults.
+        guard: the ``guard`` section: what a run that goes wrong numerically (a value that is
+            not finite, a loss spike) makes training do; None: the defaults (stop at a value
+            that is not finite; no spike watch).
         resume: False: start afresh; True: continue from the newest intact checkpoint in
             ``work_dir`` (from the beginning while there is none); a path: that checkpoint,
             or the newest intact one of that run directory.
@@ -195,6 +199,7 @@ class Runner:
         logging: Mapping[str, Any] | None = None,
         checkpoint: Mapping[str, Any] | None = None,
         preemption: Mapping[str, Any] | None = None,
+        guard: Mapping[str, Any] | None = None,
         resume: bool | str = False,
         load_from: str | None = None,
         launcher: str = "none",
@@ -256,6 +261,7 @@ class Runner:
             check_strategy_change(self, optim)
             extra_hooks = build.extra_hooks(hooks)
             logging = build.section(check_logging, "logging", logging)
+            guard = check_guard("guard", guard)
             # rank 0 makes the run directory, locks it, writes config.yaml and starts the log
             # (train.log; a test's test.log)
             self.run_lock: RunLock | None = self.run_dir.prepare(self.rank, cfg, bool(resume))
@@ -263,6 +269,9 @@ class Runner:
                 attach_log_file(self.run_dir.log)
             self.metrics_file = self.run_dir.metrics_file()
             self.timer = IterTimerHook(count_batches=logging["step_metrics"])
+            # built where there is training: the checkpoints ask it before they are written
+            self.guard = GuardHook(**guard, interval=logging["interval"]) \
+                if self.train_dataloader is not None else None
             self.hooks = build.hooks(extra_hooks, logging, checkpoint, schedule["val_interval"],
                                      schedule["val_begin"])
             self.epoch = 0  # the epoch being trained (0-based); finished epochs after it ends
@@ -483,11 +492,13 @@ class Runner:
         return f"epoch_{self.epoch}_iter_{self.iter}" if inside else f"epoch_{self.epoch}"
 
     def save_checkpoint(self, name: str | None = None, update_last: bool = True,
-                        background: bool = False) -> Path:
+                        background: bool = False) -> Path | None:
         """Save a checkpoint on every rank (all must call this); returns its path. With
         ``background`` it is written while training goes on (see ``CheckpointManager.save``).
 
-        The hooks' ``before_checkpoint_save`` runs first. The checkpoint holds the model, the
+        The hooks' ``before_checkpoint_save`` runs first, then the guard looks at the values
+        since its last look, the weights and the optimiser state (`GuardHook.may_save`):
+        nothing that is not finite is ever written. The checkpoint holds the model, the
         optimiser, the schedulers, the position, every rank's RNG states, the sampler's place
         and the hooks' states.
 
@@ -498,13 +509,60 @@ class Runner:
                 visible when every rank's part is on disk.
 
         Returns:
-            The path the checkpoint has (or will have) under ``checkpoints/``.
+            The path the checkpoint has (or will have) under ``checkpoints/``; None where the
+            guard kept it from being written (``guard.nonfinite: warn``, weights not finite).
+
+        Raises:
+            trainrun.runner.hooks.guard.GuardStop: the run went wrong numerically and the
+                guard says stop.
+            trainrun.runner.hooks.guard.RollBack: the guard says roll back (the training
+                loop catches it).
         """
         self.call_hook("before_checkpoint_save")
+        if self.guard is not None and not self.guard.may_save(self):
+            return None
         with phase("checkpoint save"):
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
                                          self.optimizer, train_state(self).state_dict(),
                                          update_last, background, step=self.iter)
+
+    def roll_back(self, event: Event) -> int:
+        """Go back to the newest checkpoint this run stands on, which was written before
+        ``event`` (a background save is finished first), in the same processes, as a resume
+        does; ``metrics.jsonl`` loses the lines of the steps after it, and a ``rollback``
+        line says why. Every rank must call this.
+
+        Args:
+            event: what went wrong (`trainrun.runner.hooks.guard.Event`).
+
+        Returns:
+            How many batches the training loop skips before it trains on (those the steps
+            after the checkpoint trained on up to the bad one, and ``guard.skip_batches``
+            more).
+
+        Raises:
+            trainrun.runner.hooks.guard.GuardStop: there is no checkpoint from before the
+                event to go back to.
+        """
+        self.checkpoints.finish()
+        published = self.checkpoints.published
+        if published is None or published[1] >= event.step:
+            raise GuardStop(event, None, "cannot roll back")
+        path, step = published
+        skip = self.guard.skip_after(event, published)
+        mark = {"step": step, "mode": "rollback", "event": event.kind, "name": event.name,
+                "value": event.value, "at_step": event.step, "rank": event.rank,
+                "checkpoint": str(path), "batches_skipped": skip,
+                "rollbacks_in_a_row": self.guard.rollbacks}
+        resume_run(self, path, mark=mark)
+        if self.by_epoch:  # the skipped batches are steps the epochs will not have
+            self.max_iters = self.iter + max(self.train_loop.steps_left() - skip, 0)
+        self.optim_wrapper.set_total(self.iter, self.max_iters)
+        if self.rank == 0:
+            self.logger.warning("guard: rolled back to %s (step %d); skipping %d batches "
+                                "(rollback %d in a row, of at most %d)", path.name, step, skip,
+                                self.guard.rollbacks, self.guard.max_rollbacks)
+        return skip
 
     def resume(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint at ``path`` stopped (verified first).

@@ -53,7 +53,7 @@ def train_state(runner: Runner) -> TrainState:
     return TrainState(listed)
 
 
-def resume_run(runner: Runner, path: Path) -> None:
+def resume_run(runner: Runner, path: Path, mark: dict[str, Any] | None = None) -> None:
     """Put ``runner`` back where the checkpoint at ``path`` (verified) stopped: model,
     optimiser and train state. Rank 0 first removes what a save the stopped run did not
     finish left (the run directory is locked: nothing else writes there), and then takes out
@@ -63,6 +63,8 @@ def resume_run(runner: Runner, path: Path) -> None:
     Args:
         runner: the runner, built.
         path: the checkpoint, verified (a file, or a directory for sharded strategies).
+        mark: a rollback's (`Runner.roll_back`): the record that ends ``metrics.jsonl``, in
+            place of the resume's and of its log line; None: a resume.
 
     Raises:
         ConfigError: its optimiser state does not fit this run's optimiser.
@@ -80,13 +82,15 @@ def resume_run(runner: Runner, path: Path) -> None:
     written = (state.get("meta") or {}).get("strategy", runner.strategy.name)
     train_state(runner).load_state_dict(state)
     at_checkpoint(path.name, runner.iter)
-    runner.logger.info("resumed from %s at epoch %d, step %d%s", path, runner.epoch + 1,
-                       runner.iter, "" if written == runner.strategy.name else
-                       f" (written under strategy {written!r}, carried on under "
-                       f"{runner.strategy.name!r})")
+    runner.checkpoints.published = (path, runner.iter)  # what a rollback goes back to
+    if mark is None:
+        runner.logger.info("resumed from %s at epoch %d, step %d%s", path, runner.epoch + 1,
+                           runner.iter, "" if written == runner.strategy.name else
+                           f" (written under strategy {written!r}, carried on under "
+                           f"{runner.strategy.name!r})")
     if runner.metrics_file.path.exists():  # each step once: the lost steps' lines go
-        dropped = runner.metrics_file.resume(runner.iter, path)
-        if dropped:  # (None on the other ranks)
+        dropped = runner.metrics_file.resume(runner.iter, path, mark)
+        if dropped and mark is None:  # (None on the other ranks)
             runner.logger.info("%s: took out the %d line(s) logged after step %d, which this "
                                "run trains again", runner.metrics_file.path.name, dropped,
                                runner.iter)

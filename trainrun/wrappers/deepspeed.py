@@ -444,6 +444,11 @@ class DeepSpeedOptimWrapper:
         # fp32 without clipping) when the logger asks through `measure_grad_norm`
         self.grad_norm: Tensor | None = None
         self.measure_grad_norm = False
+        # the guard's skip_step: steps whose gradients are not finite are skipped (ZeRO's
+        # stages skip them by themselves; at stage 0 the gradients are dropped before the
+        # step), and the micro-steps skipped are kept for the guard to take
+        self.skip_nonfinite = False
+        self.skipped: list[int] = []
         self.done = self.tail = self.tail_from = 0  # micro-steps: done, in the short last group
 
     def set_total(self, done_iters: int, max_iters: int) -> None:
@@ -477,9 +482,16 @@ class DeepSpeedOptimWrapper:
                 self.engine.backward(loss / self.tail, scale_wrt_gas=False)
             else:
                 self.engine.backward(loss)
-        own = self._own_norm() if stepping and self.measure_grad_norm else None
+        checks = self.measure_grad_norm or self.skip_nonfinite
+        own = self._own_norm() if stepping and checks else None
+        dropped = self.skip_nonfinite and own is not None and not torch.isfinite(own)
+        if dropped:  # stage 0 steps whatever it is given: a step without gradients moves nothing
+            for param in self.engine.module.parameters():
+                param.grad = None
         with phase("optimizer step"):
             self.engine.step()
+        if self.skip_nonfinite and stepping and (dropped or not self.engine.was_step_applied()):
+            self.skipped.append(self.done)
         norm = self.engine.get_global_grad_norm() if stepping else None
         self.grad_norm = own if norm is None else torch.as_tensor(norm)
 

@@ -18,15 +18,17 @@ from typing import Any
 from trainrun.runner.schema import ConfigError, Fields, call_mismatch, fields, unknown_key
 
 # The order of the built-in hooks at every point, after each training step in particular: the
-# step's time is taken, its numbers logged, validation runs where due, a hook of yours (NORMAL
-# unless it sets its own priority), then the checkpoint (so it holds the validation's best)
-# and last the check for a stop signal (which stops after that checkpoint).
-# The profiler marks a step's end after all of them, so that a traced step holds its hooks.
-TIMER, LOGGER, VALIDATION, NORMAL, CHECKPOINT, PREEMPTION = 10, 20, 40, 50, 60, 70
+# step's time is taken, its numbers logged, the guard looks at them where due (a run that went
+# wrong numerically stops or rolls back before it validates or saves), validation runs where
+# due, a hook of yours (NORMAL unless it sets its own priority), then the checkpoint (so it
+# holds the validation's best) and last the check for a stop signal (which stops after that
+# checkpoint). The profiler marks a step's end after all of them, so that a traced step holds
+# its hooks.
+TIMER, LOGGER, GUARD, VALIDATION, NORMAL, CHECKPOINT, PREEMPTION = 10, 20, 30, 40, 50, 60, 70
 PROFILER = 80
 # The built-in slots by name, for a config's ``priority: before_checkpoint`` and the like.
-SLOTS = {"timer": TIMER, "logger": LOGGER, "validation": VALIDATION, "normal": NORMAL,
-         "checkpoint": CHECKPOINT, "preemption": PREEMPTION}
+SLOTS = {"timer": TIMER, "logger": LOGGER, "guard": GUARD, "validation": VALIDATION,
+         "normal": NORMAL, "checkpoint": CHECKPOINT, "preemption": PREEMPTION}
 
 
 class Hook:
@@ -51,11 +53,12 @@ class Hook:
 
     ``on_error`` is called instead of the rest when training ends by an exception.
 
-    Priorities: the built-in hooks take the slots timer (10), logger (20), validation (40),
-    normal (50, a hook's default), checkpoint (60) and preemption (70); the profiler runs
-    after all of them (80). After each training step that means: the step's time is taken,
-    its numbers logged, validation runs where due, your hook, then the checkpoint (so that it
-    holds the validation's best) and last the check for a stop signal. A config's ``hooks``
+    Priorities: the built-in hooks take the slots timer (10), logger (20), guard (30),
+    validation (40), normal (50, a hook's default), checkpoint (60) and preemption (70); the
+    profiler runs after all of them (80). After each training step that means: the step's
+    time is taken, its numbers logged, the guard looks at them where due, validation runs
+    where due, your hook, then the checkpoint (so that it holds the validation's best) and
+    last the check for a stop signal. A config's ``hooks``
     item may set ``priority`` to a number or to ``before_<slot>`` / ``after_<slot>`` (e.g.
     ``before_checkpoint``), which wins over the class's own.
 

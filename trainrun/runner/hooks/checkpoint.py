@@ -91,11 +91,15 @@ class CheckpointHook(Hook):
         value = metrics[self.save_best]
         if not improves(value, self.best_value, "greater" if self.greater else "less"):
             return
-        previous = self.best_path
+        previous, previous_value = self.best_path, self.best_value
         self.best_value = value
         metric = self.save_best.replace("/", "_")  # val/<set>/<metric> names no directory
-        self.best_path = str(runner.save_checkpoint(
-            name=f"best_{metric}_{runner.checkpoint_tag()}", update_last=False))
+        path = runner.save_checkpoint(name=f"best_{metric}_{runner.checkpoint_tag()}",
+                                      update_last=False)
+        if path is None:  # the guard kept it from being written: the best so far stays
+            self.best_value = previous_value
+            return
+        self.best_path = str(path)
         if previous and previous != self.best_path:
             runner.checkpoints.remove(Path(previous))
         get_logger().info("new best %s %.6g saved", self.save_best, value)

@@ -46,12 +46,12 @@ from trainrun.dist.heartbeat import store_round_trip
 from trainrun.dist.waits import waiting
 from trainrun.registry import TRACKERS
 from trainrun.runner.hooks.base import LOGGER, Hook, every
-from trainrun.runner.hooks.stragglers import StragglerWatch
+from trainrun.runner.hooks.stragglers import FLOOR, StragglerWatch
 from trainrun.runner.hooks.timer import PHASES, Window
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim.wrapper import grad_norms, measure_grad_norm
 from trainrun.runner.preemption import Preempted
-from trainrun.runner.schema import check_bool, expects, fields, integer, names
+from trainrun.runner.schema import check_bool, expects, fields, integer, names, number
 from trainrun.runner.trackers import check_backend, close_tracker, make_trackers
 
 INTERVAL = 10  # iterations between logged lines
@@ -93,14 +93,17 @@ class LoggerHook(Hook):
             training line.
         window: each logged training value is the mean of this rank's values over the last
             this many training steps (then the mean over the ranks); 1: the step's own.
+        straggler_floor: the seconds an iteration a rank must hold the others up by, at
+            least, to be named a straggler (`trainrun.runner.hooks.stragglers`).
     """
 
     priority = LOGGER  # see hooks/base.py for the order
 
     def __init__(self, interval: int = INTERVAL, backends: list[str] | None = None,
                  progress_bar: bool | None = None, step_metrics: bool = True,
-                 window: int = WINDOW):
+                 window: int = WINDOW, straggler_floor: float = FLOOR):
         self.interval = interval
+        self.straggler_floor = straggler_floor
         self.step_metrics = step_metrics
         self.window = window
         # this rank's values of the last `window` steps (window > 1 only): detached, unsynced
@@ -128,7 +131,8 @@ class LoggerHook(Hook):
         self._stragglers = None
         if self._compare_ranks:  # every rank's host, once, for the straggler warnings
             hosts = gather_object(socket.gethostname())
-            self._stragglers = StragglerWatch(hosts) if hosts is not None else None
+            self._stragglers = None if hosts is None else StragglerWatch(hosts,
+                                                                         self.straggler_floor)
             runner.timer.take_phases()  # the intervals start here
         if self.trackers:
             config, resume = tracker_config(runner), resuming(runner)
@@ -250,6 +254,26 @@ class LoggerHook(Hook):
             self._bar.write(message)
         quiet = self._bar is not None or "console" not in self.backends
         get_logger().info(message, extra={"file_only": quiet})
+
+    def log_event(self, runner: Any, record: dict[str, Any], message: str | None) -> None:
+        """A line of the run's own that is no step's values (the guard's events), on rank 0:
+        after the logged step's line, ``record`` to metrics.jsonl, a point ``guard/<event>``
+        on the trackers at the current step, and ``message`` (if any) as a warning.
+
+        Args:
+            runner: the runner training.
+            record: the ``metrics.jsonl`` line (``step``, ``mode``, ``event`` and the rest).
+            message: the warning for the console and train.log, or None.
+        """
+        self._write_pending(runner)
+        if "jsonl" in self.backends:
+            runner.metrics_file.write(record)
+        if self._open:
+            self._track({f"guard/{record['event']}": 1.0}, runner.iter)
+        if message:
+            if self._bar is not None:
+                self._bar.write(message)
+            get_logger().warning(message, extra={"file_only": self._bar is not None})
 
     def before_checkpoint_save(self, runner: Any) -> None:
         """The step's line is on disk before its checkpoint: a run killed after it resumes
@@ -566,6 +590,11 @@ LOGGING = {
                "each logged training value is the mean of each rank's values over the last "
                "this many iterations (then over the ranks); 1: the logged iteration's own. "
                "Not the step metrics, nor validation"),
+    "straggler_floor": (FLOOR, number(at_least=0),
+                        "with several ranks, a rank is named a straggler only where it holds "
+                        "the others up by at least this many seconds an iteration (and by 1.5 "
+                        "times their median and a tenth of the iteration): a healthy small "
+                        "run's differences of a few milliseconds name no one"),
 }
 
 

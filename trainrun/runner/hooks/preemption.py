@@ -29,6 +29,10 @@ class PreemptionHook(Hook):
         path = runner.checkpoints.last_saved
         if path is None or path.stem != runner.checkpoint_tag():
             path = runner.save_checkpoint()
+        if path is None:  # the guard kept it from being written: the newest good one stands
+            published = runner.checkpoints.published
+            path = published[0] if published is not None else None
         requeue = [requeue_slurm_job() if is_main_process() else (False, None)]
         broadcast_object_list(requeue)
-        raise Preempted(runner.iter, signal_name, path.name, *requeue[0])
+        raise Preempted(runner.iter, signal_name, path.name if path is not None else "none",
+                        *requeue[0])

@@ -10,8 +10,10 @@ logs a warning once the same rank stood out in the same phase on `LINES` lines i
 over `STEPS` steps at least (a one-off pause, the first step's set-up, is not a straggler).
 
 A rank stands out in a phase when its time there is at least `RATIO` times the median of the
-other ranks' and longer by at least `SHARE` of the iteration: what the straggler costs every
-step, so that tiny differences (a fraction of a millisecond on a CPU) never count. Data
+other ranks' and longer by at least `SHARE` of the iteration and by at least `FLOOR` seconds
+(``logging.straggler_floor``): what the straggler costs every step, so that the differences
+of a healthy small run (a few milliseconds, which are many times each other on a CPU) never
+count. Data
 loading and compute are looked at first (the rank the others wait for); communication only
 where no rank's own work stands out, and where the rank's long wait is not made up by own
 work shorter than the others' (a rank that waits for a straggler is not one).
@@ -34,6 +36,7 @@ from trainrun.runner.hooks.timer import PHASES
 
 RATIO = 1.5  # a straggler's phase time, at least, against the median of the other ranks'
 SHARE = 0.1  # and longer by at least this share of the iteration's time
+FLOOR = 0.01  # and by at least this many seconds an iteration (logging.straggler_floor)
 LINES = 2  # the same straggler on this many logged lines in a row, at least
 STEPS = 10  # and over this many steps, at least, before it is named
 LINK_FLOOR = 0.02  # seconds a slow link's store round trip is longer than the others', at least
@@ -47,11 +50,14 @@ PHASE_NAMES = {"data": "data loading", "compute": "compute", "comm": "communicat
 Interval = Sequence[float]
 
 
-def standout(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
+def standout(ranks: Sequence[Interval], floor: float = FLOOR
+             ) -> tuple[int, int, float, float] | None:
     """The rank that stands out in one interval, if one does.
 
     Args:
         ranks: every rank's `Interval`, in rank order.
+        floor: the seconds an iteration a rank's phase must be longer than the other ranks'
+            median, at least, to stand out (besides `SHARE` of the iteration).
 
     Returns:
         ``(rank, phase, seconds, median)``: the rank, the index of its phase in ``PHASES``,
@@ -60,16 +66,16 @@ def standout(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | None:
     """
     if len(ranks) < 2:
         return None
-    iteration = statistics.median(sum(rank[:len(PHASES)]) for rank in ranks)
+    least = max(SHARE * statistics.median(sum(rank[:len(PHASES)]) for rank in ranks), floor)
     found = None
     for phase in (0, 1):  # data, compute: the rank the others wait for
-        candidate = _above_others(ranks, phase, iteration)
+        candidate = _above_others(ranks, phase, least)
         if candidate is not None and (found is None or
                                       candidate[2] - candidate[3] > found[2] - found[3]):
             found = candidate
     if found is not None:
         return found
-    candidate = _above_others(ranks, 2, iteration)
+    candidate = _above_others(ranks, 2, least)
     if candidate is not None:
         rank, _, seconds, median = candidate
         own = [interval[0] + interval[1] for interval in ranks]
@@ -85,9 +91,9 @@ def _slow_link(ranks: Sequence[Interval]) -> tuple[int, int, float, float] | Non
     return None if found is None else (found[0], LINK, *found[1:])
 
 
-def _above_others(ranks: Sequence[Interval], phase: int, iteration: float
+def _above_others(ranks: Sequence[Interval], phase: int, least: float
                   ) -> tuple[int, int, float, float] | None:
-    found = _slowest([interval[phase] for interval in ranks], SHARE * iteration)
+    found = _slowest([interval[phase] for interval in ranks], least)
     return None if found is None else (found[0], phase, *found[1:])
 
 
@@ -107,10 +113,12 @@ class StragglerWatch:
 
     Args:
         hosts: each rank's host name, in rank order.
+        floor: the seconds an iteration a straggler costs, at least (`standout`'s ``floor``).
     """
 
-    def __init__(self, hosts: Sequence[str]):
+    def __init__(self, hosts: Sequence[str], floor: float = FLOOR):
         self.hosts = list(hosts)
+        self.floor = floor
         self.named: tuple[int, int] | None = None  # (rank, phase) of the last warning
         self._streak: tuple[int, int] | None = None  # (rank, phase) standing out lately
         self._lines = self._steps = 0  # on how many lines in a row, over how many steps
@@ -131,7 +139,7 @@ class StragglerWatch:
         steps = int(min(rank[len(PHASES)] for rank in ranks))
         if not steps:
             return []
-        found = standout(ranks)
+        found = standout(ranks, self.floor)
         key = None if found is None else found[:2]
         if key is not None and key == self._streak:
             self._lines, self._steps = self._lines + 1, self._steps + steps

@@ -50,6 +50,11 @@ class OptimWrapper:
         combine_norms: where each rank holds a part of the model (pipeline stages), makes
             this rank's gradient norm (and its ``norm_type``) the whole model's; set by the
             pipeline (`trainrun.wrappers.pipeline`). None: the norm is already the whole's.
+        skip_nonfinite: skip each optimiser step whose gradients are not all finite (the
+            guard's ``skip_step`` sets it): their norm, the whole model's and so the same on
+            every rank, is read on the host at every step.
+        skipped: the micro-steps (counting from 1, as ``iters``) whose optimiser step was
+            skipped, for the guard to take.
 
     Args:
         optimizer: the torch optimiser to step.
@@ -85,6 +90,8 @@ class OptimWrapper:
         self.grad_norm: Tensor | None = None
         self.measure_grad_norm = False
         self.combine_norms: Callable[[Tensor, float], Tensor] | None = None
+        self.skip_nonfinite = False
+        self.skipped: list[int] = []
         self.iters = 0  # micro-steps taken in all, once `set_total` has been called
         self.max_iters: int | None = None
 
@@ -172,21 +179,27 @@ class OptimWrapper:
     def step(self) -> None:
         """Step the optimiser on the gradients there are: unscaled first under fp16, clipped
         to ``clip_grad`` where that is set (measuring ``grad_norm`` first); it does not zero
-        them."""
+        them. With ``skip_nonfinite``, a step whose gradients are not all finite is skipped
+        (the scaler still lowers its scale under fp16)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         by_norm = bool(self.clip_grad) and "clip_value" not in self.clip_grad
-        if self.clip_grad or self.measure_grad_norm:
+        if self.clip_grad or self.measure_grad_norm or self.skip_nonfinite:
             params = [p for group in self.optimizer.param_groups for p in group["params"]
                       if p.grad is not None]
             if by_norm:  # it returns the norm before clipping
                 self.grad_norm = clip_grad_norm(params, **self.clip_grad,
                                                 combine=self.combine_norms)
             else:
-                if self.measure_grad_norm:
+                if self.measure_grad_norm or self.skip_nonfinite:
                     self.grad_norm = grad_norm(params, combine=self.combine_norms)
                 if self.clip_grad:
                     nn.utils.clip_grad_value_(params, **self.clip_grad)
+        if self.skip_nonfinite and not torch.isfinite(self.grad_norm):
+            self.skipped.append(self.iters)
+            if self.scaler is not None:
+                self.scaler.update()
+            return
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
