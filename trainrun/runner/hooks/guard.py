@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from trainrun.dist import all_gather_object, all_reduce, get_rank, is_distributed
 from trainrun.runner.hooks.base import GUARD, Hook, every
+from trainrun.runner.hooks.logger import LoggerHook
 from trainrun.runner.logging import get_logger
 from trainrun.runner.optim.wrapper import grad_norms
 from trainrun.runner.schema import choice, expects, fields, integer, nullable, number, section
@@ -290,9 +291,11 @@ class GuardHook(Hook):
         """The event in train.log, metrics.jsonl and on the trackers (rank 0)."""
         if runner.rank != 0:
             return
-        then = {"stop": "stopping", "warn": "training goes on" if event.name not in (
-            WEIGHTS, OPTIMIZER_STATE) else "training goes on, this checkpoint is not written",
-                "rollback": "rolling back", "skip_step": "stopping"}[action]
+        if action == "warn":
+            state = event.name in (WEIGHTS, OPTIMIZER_STATE)
+            then = "training goes on" + (", this checkpoint is not written" if state else "")
+        else:
+            then = "rolling back" if action == "rollback" else "stopping"
         _say(runner, event.record(action), f"guard: step {event.step}, rank {event.rank}: "
              f"{event.describe()}; {then}")
 
@@ -382,7 +385,7 @@ def agree(mine: Event | None) -> Event | None:
 
 def _say(runner: Any, record: dict[str, Any], message: str | None) -> None:
     """``record`` to metrics.jsonl and the trackers, ``message`` as a warning (rank 0)."""
-    logger_hook = next((hook for hook in runner.hooks if hasattr(hook, "log_event")), None)
+    logger_hook = next((hook for hook in runner.hooks if isinstance(hook, LoggerHook)), None)
     if logger_hook is not None:
         logger_hook.log_event(runner, record, message)
         return
