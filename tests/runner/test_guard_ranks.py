@@ -110,3 +110,24 @@ def test_an_event_on_one_rank_is_acted_on_by_every_rank(run_on, tmp_path, strate
                if r.get("mode") == "guard"]
     assert skipped == [(step, 1)]
     assert all(math.isfinite(r["loss"]) for r in train_records(tmp_path / "skip"))
+
+
+def _skip_body(root, strategy, precision):
+    """A run that skips the bad step: whether each rank's weights are finite at the end."""
+    with _runner(root, strategy, {"nonfinite": "skip_step"}, precision=precision) as runner:
+        runner.train()
+        return all(bool(torch.isfinite(p).all()) for p in runner.model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, precision", [
+    ({"type": "deepspeed", "zero_stage": 0}, "fp32"),  # the gradients dropped before its step
+    ({"type": "deepspeed", "zero_stage": 2}, "bf16"),  # ZeRO skips it by itself; counted
+    ({"type": "fsdp", "mixed_precision": {"param_dtype": "bf16"}}, "fp32"),
+], ids=["zero0-fp32", "zero2-bf16", "fsdp-bf16-params"])
+def test_skip_step_under_other_precisions_and_engines(run_on, tmp_path, strategy, precision):
+    assert run_on(2)(_skip_body, str(tmp_path), strategy, precision) == [True, True]
+    skipped = [(r["step"], r["name"]) for r in records(tmp_path) if r.get("mode") == "guard"]
+    assert skipped == [(BAD_STEP, "gradients")]
+    for name in _checkpoint_names(tmp_path):
+        assert nonfinite_in(tmp_path / "checkpoints" / name) == [], name
