@@ -161,8 +161,9 @@ def test_from_cfg_trains_from_an_mmengine_python_config(tmp_path: Path):
      "default_hooks.visualization"),
     ({"default_hooks": {"checkpoint": {"type": "CheckpointHook", "out_dir": "/x"}}},
      "default_hooks.checkpoint.out_dir"),
-    ({"env_cfg": {"dist_cfg": {"backend": "gloo"}, "cudnn_determinstic": True}},
-     "env_cfg.cudnn_determinstic"),
+    ({"env_cfg": {"dist_cfg": {"backend": "gloo", "init_methd": "env://"}}},
+     "env_cfg.dist_cfg.init_methd"),
+    ({"env_cfg": {"mp_cfg": {"mp_start_methd": "fork"}}}, "env_cfg.mp_cfg.mp_start_methd"),
     ({"visualizer": {"type": "Visualizer"}}, "visualizer"),
     ({"log_processor": {"window_size": 10, "custom_cfg": [{"data_src": "loss",
                                                            "window_size": "global"}]}},
@@ -184,6 +185,32 @@ def test_what_trainrun_cannot_honour_is_refused_by_name(tmp_path: Path, change: 
     assert str(refusal.value).startswith(named), str(refusal.value)
     assert "\n" not in str(refusal.value)
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_env_cfg_keys_mmengine_ignores_are_said_once_and_ignored(tmp_path: Path, capfd):
+    """MMEngine's runner tutorial writes ``env_cfg=dict(cudnn_benchmark=False,
+    backend='nccl', mp_cfg=dict(mp_start_method='fork'))``: MMEngine reads no top-level
+    ``backend`` (nor a misspelt key) and goes on, and so does trainrun, with one warning each;
+    ``resource_limit`` raises the soft limit of open files, as MMEngine's does."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = soft + 1 if hard == resource.RLIM_INFINITY or soft < hard else soft
+    env_cfg = {"cudnn_benchmark": False, "backend": "nccl", "cudnn_determinstic": True,
+               "mp_cfg": {"mp_start_method": "fork"}, "resource_limit": wanted}
+    try:
+        runner = Runner(**arguments(tmp_path / "run", env_cfg=env_cfg))
+        runner.close()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == wanted
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    warnings = [line.split("WARNING ", 1)[1] for line in capfd.readouterr().err.splitlines()
+                if "WARNING env_cfg." in line]
+    assert warnings == [
+        "env_cfg.backend='nccl' is ignored, as MMEngine ignores it (it reads cudnn_benchmark, "
+        "mp_cfg, dist_cfg, resource_limit); a backend goes in env_cfg.dist_cfg.backend",
+        "env_cfg.cudnn_determinstic=True is ignored, as MMEngine ignores it (it reads "
+        "cudnn_benchmark, mp_cfg, dist_cfg, resource_limit)"]
 
 
 @pytest.mark.parametrize(("clip_grad", "section"), [

@@ -397,13 +397,45 @@ def checked_loop_cfg(key: str, cfg: Any) -> None:
     only(key, cfg, set())
 
 
+# the env_cfg keys MMEngine's setup_env reads; it passes over any other without a word
+ENV_CFG_KEYS = ("cudnn_benchmark", "mp_cfg", "dist_cfg", "resource_limit")
+RESOURCE_LIMIT = 4096  # MMEngine's default soft limit of open files (env_cfg.resource_limit)
+
+
+def ignored_env_keys(env_cfg: Mapping[str, Any] | None) -> list[str]:
+    """A warning for each key of ``env_cfg`` that MMEngine's ``setup_env`` does not read (it
+    ignores them; so does trainrun, saying so)."""
+    lines = []
+    for name, value in (env_cfg or {}).items():
+        if name in ENV_CFG_KEYS:
+            continue
+        hint = "; a backend goes in env_cfg.dist_cfg.backend" if name == "backend" else ""
+        lines.append(f"env_cfg.{name}={value!r} is ignored, as MMEngine ignores it (it reads "
+                     f"{', '.join(ENV_CFG_KEYS)}){hint}")
+    return lines
+
+
+def raise_open_files_limit(limit: int) -> None:
+    """Raise the soft limit of open files to ``limit`` (never above the hard limit, never
+    lowering it), as MMEngine's ``setup_env`` does with ``env_cfg.resource_limit``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max(limit, soft)
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def join(launcher: str, env_cfg: Mapping[str, Any] | None) -> bool:
     """Join the job's process group as MMEngine's ``setup_env`` does (with env_cfg's
-    backend; trainrun's 'auto' when none is given), unless one is up; whether it joined."""
+    backend; trainrun's 'auto' when none is given), unless one is up; whether it joined.
+    Keys MMEngine does not read are left to `ignored_env_keys`."""
     env_cfg = dict(env_cfg or {})
-    only("env_cfg", env_cfg, {"dist_cfg", "cudnn_benchmark", "mp_cfg"})
     if env_cfg.get("cudnn_benchmark"):
         torch.backends.cudnn.benchmark = True
+    if sys.platform != "win32":
+        raise_open_files_limit(env_cfg.get("resource_limit", RESOURCE_LIMIT))
     mp_cfg = dict(env_cfg.get("mp_cfg") or {})
     only("env_cfg.mp_cfg", mp_cfg, {"mp_start_method", "opencv_num_threads"})
     if "mp_start_method" in mp_cfg:
@@ -597,6 +629,9 @@ class Runner(TrainrunRunner):
         try:
             runner_kwargs, synced = runner_arguments(strategy, precision, arguments)
             super().__init__(**runner_kwargs)
+            if self.rank == 0:  # every rank finds them alike
+                for line in ignored_env_keys(arguments["env_cfg"]):
+                    self.logger.warning(line)
             if synced:  # after the seeding, numpy's generator as MMEngine's loaders left it
                 synced.replay()
         except BaseException:
