@@ -18,6 +18,7 @@ from trainrun.dist.device import autocast_dtype
 from trainrun.runner.hooks.guard import RollBack
 from trainrun.runner.sampler import ResumableSampler
 from trainrun.runner.schema import ConfigError, fields, integer, nullable
+from trainrun.runner.state_parts import roll_back
 from trainrun.runner.stream import is_sized, is_stream
 
 MAX_EPOCHS = 10  # a run's length when the config gives none
@@ -93,8 +94,9 @@ class TrainLoop:
 
     def run(self) -> None:
         """Train to the end of the schedule. Where the guard rolls back (`RollBack`, raised
-        on every rank at the same point), the runner goes back to its newest checkpoint and
-        the loop trains on from there, past the batches the rollback skips."""
+        on every rank at the same point), the run goes back to its newest checkpoint
+        (`trainrun.runner.state_parts.roll_back`) and the loop trains on from there, past the
+        batches the rollback skips."""
         runner = self.runner
         runner.call_hook("before_train")
         while True:
@@ -107,7 +109,7 @@ class TrainLoop:
                 runner.call_hook("after_train")  # (its last checkpoint may roll back too)
                 return
             except RollBack as back:
-                self.skip = runner.roll_back(back.event)
+                self.skip = roll_back(runner, back.event)
 
     def run_epoch(self) -> None:
         """One epoch, or what is left of it. A step, top to bottom: the ``before_train_iter``

@@ -45,7 +45,7 @@ from trainrun.runner.config import (
 from trainrun.runner.evaluation import BaseMetric
 from trainrun.runner.failures import failures_told, training_failures
 from trainrun.runner.hooks import Hook, IterTimerHook
-from trainrun.runner.hooks.guard import Event, GuardHook, GuardStop, check_guard
+from trainrun.runner.hooks.guard import GuardHook, check_guard
 from trainrun.runner.hooks.logger import LoggerHook, check_logging
 from trainrun.runner.lock import RunLock
 from trainrun.runner.logging import attach_log_file, log_restart, setup_logging
@@ -513,10 +513,8 @@ class Runner:
             guard kept it from being written (``guard.nonfinite: warn``, weights not finite).
 
         Raises:
-            trainrun.runner.hooks.guard.GuardStop: the run went wrong numerically and the
-                guard says stop.
-            trainrun.runner.hooks.guard.RollBack: the guard says roll back (the training
-                loop catches it).
+            trainrun.runner.hooks.guard.GuardStop: the guard says stop.
+            trainrun.runner.hooks.guard.RollBack: it says roll back (the loop catches it).
         """
         self.call_hook("before_checkpoint_save")
         if self.guard is not None and not self.guard.may_save(self):
@@ -525,44 +523,6 @@ class Runner:
             return self.checkpoints.save(name or self.checkpoint_tag(), self.model,
                                          self.optimizer, train_state(self).state_dict(),
                                          update_last, background, step=self.iter)
-
-    def roll_back(self, event: Event) -> int:
-        """Go back to the newest checkpoint this run stands on, which was written before
-        ``event`` (a background save is finished first), in the same processes, as a resume
-        does; ``metrics.jsonl`` loses the lines of the steps after it, and a ``rollback``
-        line says why. Every rank must call this.
-
-        Args:
-            event: what went wrong (`trainrun.runner.hooks.guard.Event`).
-
-        Returns:
-            How many batches the training loop skips before it trains on (those the steps
-            after the checkpoint trained on up to the bad one, and ``guard.skip_batches``
-            more).
-
-        Raises:
-            trainrun.runner.hooks.guard.GuardStop: there is no checkpoint from before the
-                event to go back to.
-        """
-        self.checkpoints.finish()
-        published = self.checkpoints.published
-        if published is None or published[1] >= event.step:
-            raise GuardStop(event, None, "cannot roll back")
-        path, step = published
-        skip = self.guard.skip_after(event, published)
-        mark = {"step": step, "mode": "rollback", "event": event.kind, "name": event.name,
-                "value": event.value, "at_step": event.step, "rank": event.rank,
-                "checkpoint": str(path), "batches_skipped": skip,
-                "rollbacks_in_a_row": self.guard.rollbacks}
-        resume_run(self, path, mark=mark)
-        if self.by_epoch:  # the skipped batches are steps the epochs will not have
-            self.max_iters = self.iter + max(self.train_loop.steps_left() - skip, 0)
-        self.optim_wrapper.set_total(self.iter, self.max_iters)
-        if self.rank == 0:
-            self.logger.warning("guard: rolled back to %s (step %d); skipping %d batches "
-                                "(rollback %d in a row, of at most %d)", path.name, step, skip,
-                                self.guard.rollbacks, self.guard.max_rollbacks)
-        return skip
 
     def resume(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint at ``path`` stopped (verified first).

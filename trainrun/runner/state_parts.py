@@ -3,8 +3,9 @@
 `train_state` lists them for ``trainrun.checkpoint.train_state.TrainState``: the position,
 the optimiser wrapper, the schedulers, the sampler, a stream, the hooks and the RNG states,
 each with how its state is taken on this rank and how it is put back on resuming.
-`resume_run` puts a run back from a checkpoint; `check_strategy_change` refuses, before
-anything is written, a checkpoint this run's strategy cannot carry on from.
+`resume_run` puts a run back from a checkpoint, `roll_back` from its newest one when the guard
+asks; `check_strategy_change` refuses, before anything is written, a checkpoint this run's
+strategy cannot carry on from.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from trainrun.checkpoint.optimizer_state import OptimizerMismatch, another_type
 from trainrun.checkpoint.train_state import HookStates, StatePart, TrainState
 from trainrun.dist import at_checkpoint
-from trainrun.runner.config import ConfigError
+from trainrun.runner.hooks.guard import Event, GuardStop
 from trainrun.runner.sampler import ResumableSampler
+from trainrun.runner.schema import ConfigError
 from trainrun.runner.seed import rng_state, set_rng_state
 from trainrun.runner.stream import is_stream
 
@@ -63,7 +65,7 @@ def resume_run(runner: Runner, path: Path, mark: dict[str, Any] | None = None) -
     Args:
         runner: the runner, built.
         path: the checkpoint, verified (a file, or a directory for sharded strategies).
-        mark: a rollback's (`Runner.roll_back`): the record that ends ``metrics.jsonl``, in
+        mark: a rollback's (`roll_back`): the record that ends ``metrics.jsonl``, in
             place of the resume's and of its log line; None: a resume.
 
     Raises:
@@ -94,6 +96,44 @@ def resume_run(runner: Runner, path: Path, mark: dict[str, Any] | None = None) -
             runner.logger.info("%s: took out the %d line(s) logged after step %d, which this "
                                "run trains again", runner.metrics_file.path.name, dropped,
                                runner.iter)
+
+
+def roll_back(runner: Runner, event: Event) -> int:
+    """Put ``runner`` back where the newest checkpoint it stands on stopped, in the same
+    processes, as a resume does, after ``event`` (the guard's ``rollback``; a background save
+    is finished first): ``metrics.jsonl`` loses the lines of the steps after it, and a
+    ``rollback`` line says why. Every rank must call this.
+
+    Args:
+        runner: the runner training.
+        event: what went wrong.
+
+    Returns:
+        How many batches the training loop skips before it trains on (those the steps after
+        the checkpoint trained on up to the bad one, and ``guard.skip_batches`` more).
+
+    Raises:
+        GuardStop: there is no checkpoint from before the event to go back to.
+    """
+    runner.checkpoints.finish()
+    published = runner.checkpoints.published
+    if published is None or published[1] >= event.step:
+        raise GuardStop(event, None, "cannot roll back")
+    path, step = published
+    guard = runner.guard
+    skip = guard.skip_after(event, published)
+    resume_run(runner, path, mark={
+        "step": step, "mode": "rollback", "event": event.kind, "name": event.name,
+        "value": event.value, "at_step": event.step, "rank": event.rank,
+        "checkpoint": str(path), "batches_skipped": skip, "rollbacks_in_a_row": guard.rollbacks})
+    if runner.by_epoch:  # the skipped batches are steps the epochs will not have
+        runner.max_iters = runner.iter + max(runner.train_loop.steps_left() - skip, 0)
+    runner.optim_wrapper.set_total(runner.iter, runner.max_iters)
+    if runner.rank == 0:
+        runner.logger.warning("guard: rolled back to %s (step %d); skipping %d batches "
+                              "(rollback %d in a row, of at most %d)", path.name, step, skip,
+                              guard.rollbacks, guard.max_rollbacks)
+    return skip
 
 
 def check_strategy_change(runner: Runner, optim: Any) -> None:

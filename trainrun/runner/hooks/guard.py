@@ -124,7 +124,7 @@ class GuardStop(Exception):  # noqa: N818 - a stop the config asks for
 
 class RollBack(Exception):  # noqa: N818 - a turn the training loop takes, never raised out
     """Raised on every rank at the same point to have the training loop reload the newest
-    checkpoint (`Runner.roll_back`); ``event``: what went wrong."""
+    checkpoint (`trainrun.runner.state_parts.roll_back`); ``event``: what went wrong."""
 
     def __init__(self, event: Event):
         super().__init__(event.describe())
