@@ -474,9 +474,8 @@ def _checkpoints(cfg: Mapping[str, Any]) -> str:
 def _guard(cfg: Mapping[str, Any]) -> str:
     """What a run that goes wrong numerically makes training do (the ``guard`` section)."""
     guard = check_guard("guard", cfg.get("guard"))
-    rolls = guard["nonfinite"] == "rollback" or (guard["spike"] or {}).get("action") == \
-        "rollback"
     spike = guard["spike"]
+    rolls = "rollback" in (guard["nonfinite"], spike and spike["action"])
     text = f"nonfinite: {guard['nonfinite']}; spike: " + (
         f"above {spike['factor']:g} x the median of {spike['window']} steps: "
         f"{spike['action']}" if spike else "off")

@@ -47,7 +47,7 @@ from trainrun.dist import all_gather_object, all_reduce, get_rank, is_distribute
 from trainrun.runner.hooks.base import GUARD, Hook, every
 from trainrun.runner.hooks.logger import LoggerHook
 from trainrun.runner.logging import get_logger
-from trainrun.runner.optim.wrapper import grad_norms
+from trainrun.runner.optim.wrapper import each_wrapper, grad_norms
 from trainrun.runner.schema import choice, expects, fields, integer, nullable, number, section
 
 NONFINITE_ACTIONS = ("stop", "rollback", "warn", "skip_step")
@@ -176,7 +176,7 @@ class GuardHook(Hook):
         finite."""
         self._pending.clear()
         if self.nonfinite == "skip_step":
-            for wrapper in _wrappers(runner.optim_wrapper):
+            for wrapper in each_wrapper(runner.optim_wrapper):
                 wrapper.skip_nonfinite = True
 
     def after_train_iter(self, runner: Any, batch_idx: int, batch: Any,
@@ -302,7 +302,7 @@ class GuardHook(Hook):
     def _report_skipped(self, runner: Any) -> None:
         """The steps the optimiser wrappers skipped since the last look (all ranks know the
         same), said by rank 0."""
-        skipped = sorted({step for wrapper in _wrappers(runner.optim_wrapper)
+        skipped = sorted({step for wrapper in each_wrapper(runner.optim_wrapper)
                           for step in _take_skipped(wrapper)})
         if not skipped:
             return
@@ -458,13 +458,6 @@ def _newest(runner: Any) -> str | None:
     """The name of the newest checkpoint this run stands on, if any."""
     published = runner.checkpoints.published
     return published[0].name if published is not None else None
-
-
-def _wrappers(optim_wrapper: Any) -> list[Any]:
-    if optim_wrapper is None:
-        return []
-    return list(optim_wrapper.values()) if isinstance(optim_wrapper, Mapping) \
-        else [optim_wrapper]
 
 
 def _take_skipped(wrapper: Any) -> list[int]:

@@ -284,10 +284,15 @@ class _OptimContext:
         return bool(stack is not None and stack.__exit__(*exc_info))
 
 
+def each_wrapper(wrapper: Any) -> tuple[Any, ...]:
+    """The optimiser wrappers ``wrapper`` holds: itself, or each of a dict of them."""
+    return tuple(wrapper.values()) if isinstance(wrapper, Mapping) else (wrapper,)
+
+
 def measure_grad_norm(wrapper: Any, on: bool) -> None:
     """Ask ``wrapper`` (or each of a dict of them) for the gradient norm of its next step,
     where it takes the request (`OptimWrapper`); others say their norm or none."""
-    for one in wrapper.values() if isinstance(wrapper, Mapping) else (wrapper,):
+    for one in each_wrapper(wrapper):
         if hasattr(one, "measure_grad_norm"):
             one.measure_grad_norm = on
 
